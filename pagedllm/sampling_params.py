@@ -1,0 +1,78 @@
+"""SamplingParams: how one request picks its tokens and when it stops (vLLM's names and meanings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.errors import InputError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None = up to the context length
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token (the sampled one is always included)
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def bad(name: str, msg: str) -> InputError:
+            return InputError(f"{name} {msg}", param=name)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", f"must be at least 1, got {self.n}")
+        if self.temperature < 0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise bad("top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= MAX_LOGPROBS:
+                raise bad(name, f"must be in [0, {MAX_LOGPROBS}], got {v}")
+        if any(not s for s in self.stop):
+            raise bad("stop", "strings must not be empty")
