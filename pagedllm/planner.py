@@ -1,0 +1,168 @@
+"""KV-cache arithmetic: how many bytes a token, a request and a block take, and how many fit.
+
+Pure functions on exact integers. INT4 stores half a byte an element, so bytes-per-element are
+Fractions; every result a function returns is a whole number of bytes (or an exact Fraction).
+The formulas and the worked examples are in shared/spec/memory-and-quantization.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+from pagedllm.config import ModelConfig
+from pagedllm.errors import InputError
+
+# p: bytes per stored element.
+DTYPE_BYTES: dict[str, Fraction] = {
+    "fp32": Fraction(4),
+    "fp16": Fraction(2),
+    "bf16": Fraction(2),
+    "fp8": Fraction(1),
+    "int8": Fraction(1),
+    "int4": Fraction(1, 2),
+}
+# Other spellings people type; they map onto the names above.
+_DTYPE_ALIASES = {
+    "float32": "fp32",
+    "float": "fp32",
+    "float16": "fp16",
+    "half": "fp16",
+    "bfloat16": "bf16",
+    "float8": "fp8",
+}
+
+
+def dtype_name(dtype: str) -> str:
+    """Canonical dtype name ("float16" -> "fp16"); unknown -> InputError listing the known ones."""
+    name = str(dtype).strip().lower()
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in DTYPE_BYTES:
+        raise InputError(f"dtype {dtype!r} is unknown; known: {', '.join(DTYPE_BYTES)}", param="dtype")
+    return name
+
+
+def dtype_bytes(dtype: str) -> Fraction:
+    """Bytes per element p: fp16 -> 2, int4 -> 1/2."""
+    return DTYPE_BYTES[dtype_name(dtype)]
+
+
+def _positive(value: int, name: str, allow_zero: bool = False) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(f"{name} must be a whole number, got {value!r}", param=name)
+    if value < 0 or (value == 0 and not allow_zero):
+        limit = ">= 0" if allow_zero else ">= 1"
+        raise InputError(f"{name} must be {limit}, got {value}", param=name)
+    return value
+
+
+def kv_width(num_kv_heads: int, head_dim: int) -> int:
+    """Width of one K (or V) vector per token and layer; d_model for plain multi-head attention."""
+    return _positive(num_kv_heads, "num_kv_heads") * _positive(head_dim, "head_dim")
+
+
+def kv_bytes_per_token(num_layers: int, kv_width: int, dtype: str = "fp16") -> int:
+    """2 (K and V) * L * kv_width * p. Always whole: with p = 1/2 it is L * kv_width."""
+    total = 2 * _positive(num_layers, "num_layers") * _positive(kv_width, "kv_width") * dtype_bytes(dtype)
+    return int(total)
+
+
+def kv_bytes(batch: int, seq_len: int, num_layers: int, kv_width: int, dtype: str = "fp16") -> int:
+    """kv_bytes = 2 * B * S * L * kv_width * p: the cache of B requests of S tokens each."""
+    b = _positive(batch, "batch")
+    s = _positive(seq_len, "seq_len")
+    return b * s * kv_bytes_per_token(num_layers, kv_width, dtype)
+
+
+def block_bytes(block_size: int, bytes_per_token: int) -> int:
+    """One block holds block_size tokens of every layer's K and V."""
+    return _positive(block_size, "block_size") * _positive(bytes_per_token, "bytes_per_token")
+
+
+def weight_bytes(num_params: int, dtype: str = "fp16") -> int:
+    """Bytes of num_params weights stored as dtype; an odd INT4 count rounds up to a whole byte."""
+    return math.ceil(_positive(num_params, "num_params") * dtype_bytes(dtype))
+
+
+def param_count(config: ModelConfig) -> int:
+    """Parameters of a Llama-family decoder (what the weights file holds).
+
+    embeddings + per layer (q/k/v/o with grouped-query K/V, gate/up/down MLP, two RMSNorms)
+    + final norm + lm_head (absent when tied to the embeddings).
+    """
+    d = config.hidden_size
+    q_width = config.num_heads * config.head_dim
+    kv = config.kv_width
+    attn = d * q_width + 2 * d * kv + q_width * d
+    if config.attention_bias:  # Qwen2: q/k/v have a bias, o does not
+        attn += q_width + 2 * kv
+    mlp = 3 * d * config.intermediate_size
+    norms = 2 * d
+    per_layer = attn + mlp + norms
+    embed = config.vocab_size * d
+    lm_head = 0 if config.tie_word_embeddings else config.vocab_size * d
+    return embed + config.num_layers * per_layer + d + lm_head
+
+
+@dataclass
+class Capacity:
+    """How many requests of per_request_bytes fit once weights and overhead are paid."""
+
+    memory_bytes: int
+    weight_bytes: int
+    overhead_bytes: int
+    kv_budget_bytes: int  # memory - weights - overhead
+    per_request_bytes: int
+    max_concurrent: int  # floor(budget / per_request)
+    leftover_bytes: int  # budget - max_concurrent * per_request: idle, too small for one more
+
+
+def capacity(memory: int, per_request: int, weights: int = 0, overhead: int = 0) -> Capacity:
+    """KV budget = memory - weights - overhead; users = floor(budget / per_request)."""
+    memory = _positive(memory, "memory", allow_zero=True)
+    weights = _positive(weights, "weights", allow_zero=True)
+    overhead = _positive(overhead, "overhead", allow_zero=True)
+    per_request = _positive(per_request, "per_request")
+    budget = memory - weights - overhead
+    if budget < 0:
+        raise InputError(
+            f"memory {memory} bytes is smaller than weights {weights} + overhead {overhead} bytes; "
+            "nothing is left for the KV cache",
+            param="memory",
+        )
+    users, leftover = divmod(budget, per_request)
+    return Capacity(memory, weights, overhead, budget, per_request, users, leftover)
+
+
+@dataclass
+class Waste:
+    """Slots one request holds but does not use: paged (whole blocks) vs naive (max_len reserved)."""
+
+    seq_len: int
+    block_size: int
+    blocks_per_request: int  # ceil(seq_len / block_size)
+    paged_slots: int  # blocks_per_request * block_size
+    paged_waste_tokens: int  # paged_slots - seq_len, at most block_size - 1
+    last_block_waste: Fraction  # unused share of the last block (15/16 for one token in a 16 block)
+    max_len: int | None = None
+    naive_waste_tokens: int | None = None  # max_len - seq_len
+    ratio: Fraction | None = None  # naive / paged waste; None when either is unknown or paged is 0
+
+
+def waste(max_len: int | None, block_size: int, seq_len: int) -> Waste:
+    """Blocks and wasted slots of one request of seq_len tokens (max_len=None: paged side only)."""
+    bs = _positive(block_size, "block_size")
+    s = _positive(seq_len, "seq_len")
+    blocks = -(-s // bs)  # ceil without floats
+    slots = blocks * bs
+    paged = slots - s
+    last = Fraction(paged, bs)
+    if max_len is None:
+        return Waste(s, bs, blocks, slots, paged, last)
+    m = _positive(max_len, "max_len")
+    if s > m:
+        raise InputError(f"seq_len {s} is longer than max_len {m}", param="seq_len")
+    naive = m - s
+    ratio = Fraction(naive, paged) if paged else None
+    return Waste(s, bs, blocks, slots, paged, last, m, naive, ratio)

@@ -1,0 +1,90 @@
+"""Draw a `pagedllm plan` result: one request's slots (naive vs paged) and the memory bar."""
+
+from __future__ import annotations
+
+from pagedllm.errors import InputError
+from pagedllm.units import format_size
+
+USED, WASTED, WEIGHTS, OVERHEAD, IDLE = "#4c9a2a", "#d9534f", "#7f7f7f", "#f0ad4e", "#e8e8e8"
+KV_SHADES = ("#3b6fb6", "#6a96d6")
+MAX_BOUNDARIES = 64  # more block lines than this is a smear; skip them
+MAX_USER_SEGMENTS = 128
+
+
+def plot_plan(plan: dict, path: str) -> None:
+    """Write a PNG with up to two panels; which ones depends on the keys the plan holds."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    panels = [
+        name for name, key in (("slots", "blocks_per_request"), ("memory", "memory_bytes")) if key in plan
+    ]
+    if not panels:
+        raise InputError("--plot needs --seq-len (one request's blocks) or --memory (the memory bar)", "plot")
+    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 2.6 * len(panels)), squeeze=False)
+    for ax, name in zip(axes[:, 0], panels):
+        (_draw_slots if name == "slots" else _draw_memory)(ax, plan)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as e:
+        raise InputError(f"cannot write plot {path!r}: {e.strerror}", param="plot") from None
+    finally:
+        plt.close(fig)
+
+
+def _draw_slots(ax, plan: dict) -> None:
+    s, bs = plan["seq_len"], plan["block_size"]
+    slots, blocks = plan["paged_slots_per_request"], plan["blocks_per_request"]
+    rows = ["paged"]
+    ax.barh(0, s, color=USED, label=f"used: {s} tokens")
+    ax.barh(0, slots - s, left=s, color=WASTED, hatch="//", label="reserved, unused")
+    if blocks <= MAX_BOUNDARIES:
+        for b in range(blocks + 1):
+            ax.plot([b * bs, b * bs], [-0.4, 0.4], color="black", linewidth=0.8)
+    ax.text(slots, 0, f"  {blocks} blocks, {slots - s} unused", va="center", fontsize=8)
+    if "max_len" in plan:
+        m = plan["max_len"]
+        rows.append("naive")
+        ax.barh(1, s, color=USED)
+        ax.barh(1, m - s, left=s, color=WASTED, hatch="//")
+        ax.text(m, 1, f"  max_len {m}, {m - s} unused", va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set_xlabel("token slots of one request")
+    ax.set_title(f"one request of {s} tokens in blocks of {bs}")
+    ax.margins(x=0.25)
+    ax.legend(loc="lower right", fontsize=8)
+
+
+def _draw_memory(ax, plan: dict) -> None:
+    gib = 1024**3
+    left = 0.0
+
+    def seg(size: int, color: str, label: str | None = None, hatch: str | None = None) -> None:
+        nonlocal left
+        ax.barh(
+            0, size / gib, left=left, color=color, edgecolor="white", linewidth=0.3, label=label, hatch=hatch
+        )
+        left += size / gib
+
+    if plan.get("weight_bytes"):
+        seg(plan["weight_bytes"], WEIGHTS, f"weights {format_size(plan['weight_bytes'])}")
+    if plan.get("overhead_bytes"):
+        seg(plan["overhead_bytes"], OVERHEAD, f"overhead {format_size(plan['overhead_bytes'])}")
+    users, per = plan["max_concurrent_requests"], plan["kv_bytes_reserved_per_request"]
+    label = f"KV: {users} requests x {format_size(per)}"
+    if users <= MAX_USER_SEGMENTS:
+        for i in range(users):
+            seg(per, KV_SHADES[i % 2], label if i == 0 else None)
+    elif users:
+        seg(users * per, KV_SHADES[0], label)
+    seg(plan["leftover_bytes"], IDLE, f"idle {format_size(plan['leftover_bytes'])}", hatch="..")
+    ax.set_yticks([])
+    ax.set_xlim(0, plan["memory_bytes"] / gib)
+    ax.set_xlabel("GiB")
+    ax.set_title(
+        f"memory {format_size(plan['memory_bytes'])}: KV budget {format_size(plan['kv_budget_bytes'])}"
+    )
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=4, fontsize=8)
