@@ -1,0 +1,197 @@
+"""KVCacheManager: gives requests KV blocks as their tokens arrive, shares prefixes, copies on write.
+
+The block table lives on the request (request.block_ids); this class is the only one that changes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedllm.core.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
+from pagedllm.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # tokens looked up
+    hits: int = 0  # tokens found in the cache (like vLLM, counted in tokens)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.prefix_cache_stats = PrefixCacheStats()
+        # Hash chain of each request's full blocks, grown lazily (tokens never change once appended).
+        self.req_block_hashes: dict[str, list[BlockHash]] = {}
+        # How many of a request's leading blocks are already registered in the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        # Copy-on-write (src, dst) pairs since the scheduler last took them; copied before the next forward.
+        self.blocks_to_copy: list[tuple[int, int]] = []
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use (cached but free blocks count as free: they can be evicted)."""
+        return 1.0 - self.block_pool.num_free_blocks / self.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return self.block_pool.num_cached_free_blocks
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.prefix_cache_stats.queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.prefix_cache_stats.hits
+
+    def _block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
+        hashes = self.req_block_hashes.setdefault(request.request_id, [])
+        if len(hashes) < num_full_blocks:
+            bs = self.block_size
+            tokens = request.all_token_ids
+            parent = hashes[-1] if hashes else None
+            for i in range(len(hashes), num_full_blocks):
+                parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs])
+                hashes.append(parent)
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+        """Longest cached prefix of full blocks, and how many tokens it covers.
+
+        Never the whole sequence: the last token must be computed so there are logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[Block] = []
+        for block_hash in self._block_hashes(request, max_blocks)[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        num_computed = len(blocks) * self.block_size
+        self.prefix_cache_stats.queries += request.num_tokens
+        self.prefix_cache_stats.hits += num_computed
+        return blocks, num_computed
+
+    # -- allocation ------------------------------------------------------------------------------
+
+    def _plan(self, request: Request, num_new_tokens: int, computed_blocks: list[Block]):
+        """(blocks to take from the free queue, table indexes to copy on write, total tokens)."""
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        num_table = len(request.block_ids) + len(computed_blocks)
+        num_new_blocks = max(0, cdiv(total, self.block_size) - num_table)
+        # Blocks the new tokens land in that someone else also holds (a forked partial block): copy first.
+        # Computed (prefix-cache) blocks are full and lie before num_computed, so they are never written.
+        first = num_computed // self.block_size
+        cow = [
+            i
+            for i in range(first, len(request.block_ids))
+            if self.block_pool.blocks[request.block_ids[i]].ref_cnt > 1
+        ]
+        # A cached block sitting in the free queue leaves it when we take it: it costs a free block too.
+        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        return num_new_blocks + len(cow) + num_revived, cow, total
+
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[Block] | None = None
+    ) -> bool:
+        needed, _, _ = self._plan(request, num_new_tokens, computed_blocks or [])
+        return needed <= self.block_pool.num_free_blocks
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[Block] | None = None
+    ) -> bool:
+        """Make room for num_new_tokens more tokens after the request's computed ones.
+
+        computed_blocks (from get_computed_blocks, request without blocks) join the block table and
+        advance request.num_computed_tokens. Returns False, changing nothing, when blocks run short.
+        Only what these tokens need is reserved: decode steps add a block every block_size tokens.
+        """
+        computed_blocks = computed_blocks or []
+        needed, cow, total = self._plan(request, num_new_tokens, computed_blocks)
+        if needed > self.block_pool.num_free_blocks:
+            return False
+        pool = self.block_pool
+        if computed_blocks:
+            pool.touch(computed_blocks)
+            request.block_ids.extend(b.block_id for b in computed_blocks)
+            request.num_computed_tokens += len(computed_blocks) * self.block_size
+        for i in cow:
+            old = pool.blocks[request.block_ids[i]]
+            (new,) = pool.get_new_blocks(1)
+            if i * self.block_size < request.num_computed_tokens:  # holds KV we must keep
+                self.blocks_to_copy.append((old.block_id, new.block_id))
+            pool.free_blocks([old])  # ref_cnt > 1, so it stays in use by the other holders
+            request.block_ids[i] = new.block_id
+        num_new_blocks = cdiv(total, self.block_size) - len(request.block_ids)
+        if num_new_blocks > 0:
+            request.block_ids.extend(b.block_id for b in pool.get_new_blocks(num_new_blocks))
+        # Registered now, not after the forward, so a request admitted later in this same step already
+        # shares these blocks (as in vLLM): it sits later in the batch, and each layer writes the
+        # batch's KV before attention reads it.
+        self.cache_blocks(request, total)
+        return True
+
+    def cache_blocks(self, request: Request, num_tokens: int | None = None) -> None:
+        """Register the request's blocks that are full within its first num_tokens tokens
+        (default: its computed tokens) in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        if num_tokens is None:
+            num_tokens = request.num_computed_tokens
+        num_full = min(num_tokens // self.block_size, len(request.block_ids))
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request, num_full)
+        for i in range(start, num_full):
+            self.block_pool.cache_full_block(self.block_pool.blocks[request.block_ids[i]], hashes[i])
+        self.num_cached_blocks[request.request_id] = num_full
+
+    def fork(self, parent: Request, child: Request, num_tokens: int | None = None) -> None:
+        """Share the parent's blocks holding its first num_tokens tokens (default: its computed ones)
+        with the child: no copy, ref_cnt + 1 each; the child starts computed up to num_tokens."""
+        if child.block_ids:
+            raise ValueError(f"fork into {child.request_id!r}, which already holds blocks")
+        if num_tokens is None:
+            num_tokens = parent.num_computed_tokens
+        if num_tokens > parent.num_computed_tokens:
+            raise ValueError(
+                f"fork of {num_tokens} tokens but the parent computed {parent.num_computed_tokens}"
+            )
+        shared = [self.block_pool.blocks[i] for i in parent.block_ids[: cdiv(num_tokens, self.block_size)]]
+        self.block_pool.touch(shared)
+        child.block_ids = [b.block_id for b in shared]
+        child.num_computed_tokens = num_tokens
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so its tail blocks are evicted before its prefix."""
+        pool = self.block_pool
+        pool.free_blocks(pool.blocks[i] for i in reversed(request.block_ids))
+        request.block_ids = []
+        self.req_block_hashes.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+
+    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
+        out, self.blocks_to_copy = self.blocks_to_copy, []
+        return out

@@ -1,0 +1,81 @@
+"""Request: one sequence the scheduler tracks from arrival to finish (an n > 1 request is n siblings)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after PREEMPTED is a finished state (see is_finished).
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    def is_finished(self) -> bool:
+        # Works both as RequestStatus.is_finished(status) (vLLM's spelling) and status.is_finished().
+        return self > RequestStatus.PREEMPTED
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)  # identity equality: two requests with equal fields are still two requests
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int] = field(default_factory=list)  # from the engine (tokenizer / model config)
+    arrival_time: float = 0.0
+    group_id: str | None = None  # siblings of one n > 1 request share it; defaults to request_id
+    index: int = 0  # 0..n-1 among the siblings
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    block_ids: list[int] = field(default_factory=list)  # the block table: physical block ids in order
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None  # the stop token id or stop string that finished it
+    generator: torch.Generator | None = None  # seeded by the engine when sampling_params.seed is set
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        if self.group_id is None:
+            self.group_id = self.request_id
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished()
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self.status)

@@ -1,0 +1,344 @@
+"""Scheduler: each step picks which requests run and how many tokens each feeds (vLLM v1 policy).
+
+One token budget per step is shared by decodes (1 token each) and prefill chunks, running requests
+first. When blocks run out, the newest running request is preempted (its KV dropped; it later
+recomputes prompt + output so far). Waiting requests are then admitted first come, first served.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.errors import InputError
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_requests: list[Request]
+    num_scheduled_tokens: dict[str, int]
+    blocks_to_copy: list[tuple[int, int]]  # (src, dst) block ids, to copy before the forward
+    preempted_request_ids: list[str]
+    total_num_scheduled_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled_requests
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    num_cached_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+@dataclass
+class _ForkGroup:
+    """Siblings of one n > 1 request that still wait to share the first sibling's prompt blocks."""
+
+    leader: Request | None = None  # index 0: computes the prompt but its last token
+    pending: set[str] = field(default_factory=set)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.num_preemptions = 0
+        self._fork_groups: dict[str, _ForkGroup] = {}
+        self._order: dict[str, int] = {}  # breaks arrival_time ties by add order
+        self._next_order = 0
+
+    # -- admission -------------------------------------------------------------------------------
+
+    def check_can_ever_fit(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """InputError when a request could never run to completion, however empty the engine."""
+        max_len = self.scheduler_config.max_model_len
+        if num_prompt_tokens > max_len:
+            raise InputError(
+                f"prompt has {num_prompt_tokens} tokens but the model's context length is {max_len}",
+                param="prompt",
+            )
+        if max_tokens is not None and num_prompt_tokens + max_tokens > max_len:
+            raise InputError(
+                f"prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
+                f"{num_prompt_tokens + max_tokens} tokens exceed the model's context length {max_len}",
+                param="max_tokens",
+            )
+        total = num_prompt_tokens + max_tokens if max_tokens is not None else max_len
+        num_blocks = cdiv(total, self.block_size)
+        if num_blocks > self.cache_config.num_blocks:
+            raise InputError(
+                f"request needs up to {total} tokens = {num_blocks} KV blocks of {self.block_size} tokens "
+                f"but the whole KV cache has {self.cache_config.num_blocks} blocks; "
+                "lower max_tokens or give the KV cache more memory",
+                param="max_tokens",
+            )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._order[request.request_id] = self._next_order
+        self._next_order += 1
+        self.waiting.append(request)
+        # n > 1 with something to share: the siblings wait for index 0's prompt blocks.
+        if request.sampling_params.n > 1 and request.num_prompt_tokens > 1 and not request.output_token_ids:
+            group = self._fork_groups.setdefault(request.group_id, _ForkGroup())
+            if request.index == 0:
+                group.leader = request
+            else:
+                group.pending.add(request.request_id)
+
+    # -- scheduling ------------------------------------------------------------------------------
+
+    def _priority(self, request: Request) -> tuple[float, int]:
+        return request.arrival_time, self._order[request.request_id]
+
+    def _fork_limit(self, request: Request) -> int | None:
+        """For a leader whose siblings still wait: stop its prefill before the last prompt token."""
+        group = self._fork_groups.get(request.group_id)
+        if group is None or group.leader is not request or not group.pending or request.output_token_ids:
+            return None
+        return request.num_prompt_tokens - 1
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        limit = self._fork_limit(request)
+        if limit is not None and request.num_computed_tokens < limit:
+            num_new = min(num_new, limit - request.num_computed_tokens)
+        return num_new
+
+    def _sibling_action(self, request: Request) -> str:
+        """'self' (prefill on its own), 'wait' (for the leader) or 'fork' (share the leader's blocks)."""
+        group = self._fork_groups.get(request.group_id)
+        if group is None or request.request_id not in group.pending:
+            return "self"
+        leader = group.leader
+        if leader is None:  # the leader never came: nothing to share
+            self._drop_pending(request)
+            return "self"
+        if (
+            leader.status == RequestStatus.RUNNING
+            and leader.num_computed_tokens >= request.num_prompt_tokens - 1
+        ):
+            return "fork"
+        return "wait"
+
+    def _drop_pending(self, request: Request) -> None:
+        group = self._fork_groups.get(request.group_id)
+        if group is None:
+            return
+        group.pending.discard(request.request_id)
+        if not group.pending:
+            del self._fork_groups[request.group_id]
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._dissolve_if_leader(request)
+
+    def _dissolve_if_leader(self, request: Request) -> None:
+        # The leader's blocks are gone: its waiting siblings prefill on their own instead.
+        group = self._fork_groups.get(request.group_id)
+        if group is not None and group.leader is request:
+            del self._fork_groups[request.group_id]
+
+    def schedule(self) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        budget = self.scheduler_config.max_num_batched_tokens
+        scheduled: list[Request] = []
+        num_scheduled: dict[str, int] = {}
+        preempted: list[str] = []
+
+        # 1. Running requests, oldest first, so the newest (the preemption victim) is always at the end
+        #    and never one already scheduled this step.
+        self.running.sort(key=self._priority)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status == RequestStatus.PREEMPTED:
+                break
+            scheduled.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, first come first served; none when blocks ran short this step.
+        if not preempted:
+            skipped: list[Request] = []  # siblings waiting for their leader keep their place
+            while self.waiting and budget > 0 and len(self.running) < self.scheduler_config.max_num_seqs:
+                request = self.waiting[0]
+                action = self._sibling_action(request)
+                if action == "wait":
+                    skipped.append(self.waiting.popleft())
+                    continue
+                if action == "fork":
+                    leader = self._fork_groups[request.group_id].leader
+                    kv.fork(leader, request, request.num_prompt_tokens - 1)
+                    num_new = self._num_new_tokens(request, budget)
+                    if not kv.allocate_slots(request, num_new):
+                        kv.free(request)
+                        request.num_computed_tokens = 0
+                        break
+                    self._drop_pending(request)
+                else:
+                    computed_blocks, num_hit = kv.get_computed_blocks(request)
+                    num_new = request.num_tokens - num_hit
+                    limit = self._fork_limit(request)
+                    if limit is not None and num_hit < limit:
+                        num_new = limit - num_hit
+                    num_new = min(num_new, budget)
+                    if not kv.allocate_slots(request, num_new, computed_blocks):
+                        break
+                self.waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                scheduled.append(request)
+                num_scheduled[request.request_id] = num_new
+                budget -= num_new
+            self.waiting.extendleft(reversed(skipped))
+
+        total = sum(num_scheduled.values())
+        assert total <= self.scheduler_config.max_num_batched_tokens
+        return SchedulerOutput(
+            scheduled_requests=scheduled,
+            num_scheduled_tokens=num_scheduled,
+            blocks_to_copy=kv.take_blocks_to_copy(),
+            preempted_request_ids=preempted,
+            total_num_scheduled_tokens=total,
+        )
+
+    # -- results ---------------------------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled ones, finish and free what stopped. Returns those."""
+        finished: list[Request] = []
+        for request in scheduler_output.scheduled_requests:
+            if request.status != RequestStatus.RUNNING:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]
+            if request.num_computed_tokens < request.num_tokens or request.request_id not in sampled:
+                continue  # a prefill chunk: no token yet
+            request.output_token_ids.append(sampled[request.request_id])
+            if request.first_token_time is None:
+                request.first_token_time = time.time()
+            status = self._check_stop(request)
+            if status is not None:
+                request.status = status
+                self.running.remove(request)
+                self._free_finished(request)
+                finished.append(request)
+        return finished
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        params = request.sampling_params
+        token = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.scheduler_config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _free_finished(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self._dissolve_if_leader(request)
+        self._drop_pending(request)
+        del self.requests[request.request_id]
+        del self._order[request.request_id]
+
+    def finish_requests(
+        self,
+        request_ids: str | Iterable[str],
+        finished_status: RequestStatus = RequestStatus.FINISHED_ABORTED,
+        stop_reason: int | str | None = None,
+    ) -> list[Request]:
+        """Finish requests from outside (abort, or a stop string the engine found); waiting or running.
+        Unknown or already finished ids are ignored. Returns the requests finished here."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        assert finished_status.is_finished()
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            if stop_reason is not None:
+                request.stop_reason = stop_reason
+            self._free_finished(request)
+            finished.append(request)
+        return finished
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """An unfinished request (finished ones leave the scheduler)."""
+        return self.requests.get(request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_cached_free_blocks=kv.num_cached_free_blocks,
+            prefix_cache_queries=kv.prefix_cache_stats.queries,
+            prefix_cache_hits=kv.prefix_cache_stats.hits,
+        )
