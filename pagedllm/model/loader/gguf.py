@@ -1,0 +1,314 @@
+"""GGUF files: metadata -> ModelConfig, tensors -> float32 weights with Hugging Face Llama names.
+
+The header (key/values and tensor infos) is parsed here with `struct` because gguf.GGUFReader builds a
+numpy view per vocabulary string (~2.5 s for a 49k vocab); the tensor bytes are memory-mapped and
+dequantized by `gguf.quants.dequantize`, so the block formats stay the gguf package's business.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+from tqdm import tqdm
+
+from pagedllm.config import ModelConfig
+from pagedllm.errors import InputError
+from pagedllm.model.loader.hf_config import check_complete
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_TYPES = frozenset(
+    GGMLQuantizationType[n]
+    for n in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+)
+
+# GGUF value types -> struct format (scalars); 8 = string, 9 = array.
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_NUMPY = {
+    0: "u1",
+    1: "i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "?",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
+
+# llama.cpp tensor names -> HF names; per-layer ones are matched on the part after "blk.N.".
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+@dataclass
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # numpy order (ggml's dims reversed): rows first
+    type: GGMLQuantizationType
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+@dataclass
+class GGUFHeader:
+    metadata: dict[str, Any]
+    tensors: list[GGUFTensorInfo]
+
+
+def _corrupt(path: Path, why: str) -> InputError:
+    return InputError(f"truncated or corrupt GGUF file {path}: {why}", param="model")
+
+
+class _Cursor:
+    """Sequential little-endian reader over a bytes-like buffer; raises InputError past the end."""
+
+    def __init__(self, buf: memoryview, path: Path):
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise _corrupt(self.path, f"needs {n} bytes at offset {self.pos}, file has {len(self.buf)}")
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def scalar(self, fmt: str) -> Any:
+        size = struct.calcsize("<" + fmt)
+        return struct.unpack("<" + fmt, self.take(size))[0]
+
+    def string(self) -> str:
+        return bytes(self.take(self.scalar("Q"))).decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _SCALAR:
+            return self.scalar(_SCALAR[vtype])
+        if vtype == 8:
+            return self.string()
+        if vtype == 9:
+            etype, count = self.scalar("I"), self.scalar("Q")
+            if etype in _NUMPY:
+                dt = np.dtype(_NUMPY[etype])
+                return np.frombuffer(self.take(count * dt.itemsize), dtype=dt).copy()
+            if etype == 8:
+                return [self.string() for _ in range(count)]
+            return [self.value(etype) for _ in range(count)]
+        raise _corrupt(self.path, f"unknown value type {vtype} at offset {self.pos}")
+
+
+def is_gguf_file(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def read_gguf_header(path: str | Path, with_tensors: bool = True) -> GGUFHeader:
+    """Parse the key/values (and tensor infos) of a GGUF file without touching tensor data."""
+    path = Path(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
+    cur = _Cursor(memoryview(data), path)
+    if bytes(cur.take(4)) != GGUF_MAGIC:
+        raise InputError(f"{path} is not a GGUF file (no GGUF magic)", param="model")
+    version = cur.scalar("I")
+    if version not in (2, 3):
+        raise _corrupt(path, f"unsupported GGUF version {version} (expected 2 or 3, little-endian)")
+    n_tensors, n_kv = cur.scalar("Q"), cur.scalar("Q")
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.scalar("I"))
+    tensors: list[GGUFTensorInfo] = []
+    if not with_tensors:
+        return GGUFHeader(metadata, tensors)
+    raw_infos = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        dims = [cur.scalar("Q") for _ in range(cur.scalar("I"))]
+        raw_infos.append((name, dims, cur.scalar("I"), cur.scalar("Q")))
+    align = int(metadata.get("general.alignment", 32))
+    data_start = (cur.pos + align - 1) // align * align
+    for name, dims, type_id, offset in raw_infos:
+        try:
+            qtype = GGMLQuantizationType(type_id)
+        except ValueError:
+            raise _corrupt(path, f"tensor {name} has unknown ggml type {type_id}") from None
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        n_elements = int(np.prod(dims)) if dims else 1
+        if dims and dims[0] % block:
+            raise _corrupt(
+                path, f"tensor {name} row of {dims[0]} is not a multiple of {qtype.name} block {block}"
+            )
+        nbytes = n_elements // block * type_size
+        start = data_start + offset
+        if start + nbytes > len(data):
+            raise _corrupt(path, f"tensor {name} ends at byte {start + nbytes}, file has {len(data)}")
+        # ggml lists the fastest-varying dimension first; numpy wants it last.
+        tensors.append(GGUFTensorInfo(name, tuple(reversed(dims)), qtype, start, nbytes))
+    return GGUFHeader(metadata, tensors)
+
+
+def _get(meta: dict[str, Any], key: str, path: Path) -> Any:
+    if key not in meta:
+        raise InputError(f"GGUF file {path} lacks metadata field {key}", param="model")
+    return meta[key]
+
+
+def gguf_model_config(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path: Path) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise InputError(
+            f"GGUF file {path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})",
+            param="model",
+        )
+    d_model = int(_get(meta, f"{arch}.embedding_length", path))
+    n_heads = int(_get(meta, f"{arch}.attention.head_count", path))
+    n_kv = int(meta.get(f"{arch}.attention.head_count_kv", n_heads))
+    # key_length is the real head size; rope.dimension_count can be partial rotary, so it comes second.
+    head_dim = int(
+        meta.get(f"{arch}.attention.key_length")
+        or meta.get(f"{arch}.rope.dimension_count")
+        or d_model // n_heads
+    )
+    # vocab_size is often absent: fall back to the embedding's rows (the tokenizer may be shorter).
+    shapes = {t.name: t.shape for t in tensors}
+    vocab = meta.get(f"{arch}.vocab_size") or shapes.get("token_embd.weight", (None,))[0]
+    if vocab is None:
+        raise InputError(
+            f"GGUF file {path} has neither {arch}.vocab_size nor token_embd.weight", param="model"
+        )
+    rope_scaling = None
+    stype = meta.get(f"{arch}.rope.scaling.type")
+    if stype and stype != "none":
+        rope_scaling = {"rope_type": stype, "factor": float(meta.get(f"{arch}.rope.scaling.factor", 1.0))}
+        orig = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if orig:
+            rope_scaling["original_max_position_embeddings"] = int(orig)
+    eos_ids: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        if key in meta and int(meta[key]) not in eos_ids:
+            eos_ids.append(int(meta[key]))
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=d_model,
+        intermediate_size=int(_get(meta, f"{arch}.feed_forward_length", path)),
+        num_layers=int(_get(meta, f"{arch}.block_count", path)),
+        num_heads=n_heads,
+        num_kv_heads=n_kv,
+        head_dim=head_dim,
+        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in shapes,  # no separate output matrix: tied
+        attention_bias=arch == "qwen2",
+        bos_token_id=int(bos) if bos is not None else None,
+        eos_token_ids=eos_ids,
+        architecture=arch,
+    )
+
+
+def read_gguf_config(path: str | Path) -> ModelConfig:
+    path = Path(path)
+    header = read_gguf_header(path)
+    return gguf_model_config(header.metadata, header.tensors, path)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """llama.cpp tensor name -> HF Llama name; None for tensors we do not use (e.g. rope_freqs)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo convert_hf_to_gguf's Q/K row permutation (it interleaves the two rotary halves per head).
+
+    The converter does `w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2)`, so the inverse
+    reads rows as (n_head, rows // n_head // 2, 2) and swaps back.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def dequantize_tensor(path: Path, info: GGUFTensorInfo, raw: np.ndarray) -> np.ndarray:
+    if info.type not in SUPPORTED_TYPES:
+        raise InputError(
+            f"GGUF file {path}: tensor {info.name} has unsupported type {info.type.name} "
+            f"(supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})",
+            param="model",
+        )
+    return dequantize(raw, info.type).reshape(info.shape).astype(np.float32, copy=False)
+
+
+def raw_tensor(data: np.memmap, info: GGUFTensorInfo) -> np.ndarray:
+    """The tensor's bytes as gguf.quants expects them: uint8 rows of whole blocks, or the float dtype."""
+    raw = data[info.offset : info.offset + info.nbytes]
+    if info.type == GGMLQuantizationType.F32:
+        return raw.view(np.float32).reshape(info.shape)
+    if info.type == GGMLQuantizationType.F16:
+        return raw.view(np.float16).reshape(info.shape)
+    block, type_size = GGML_QUANT_SIZES[info.type]
+    return raw.reshape(*info.shape[:-1], info.shape[-1] // block * type_size)
+
+
+def load_gguf(
+    path: str | Path, show_progress: bool = True, keep_quantized: bool = False
+) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, tuple[str, np.ndarray, tuple[int, ...]]] | None]:
+    """Returns (config, float32 weights with HF names, raw quantized tensors when keep_quantized)."""
+    path = Path(path)
+    header = read_gguf_header(path)
+    config = gguf_model_config(header.metadata, header.tensors, path)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    weights: dict[str, torch.Tensor] = {}
+    quantized: dict[str, tuple[str, np.ndarray, tuple[int, ...]]] | None = {} if keep_quantized else None
+    if any(t.name == "rope_freqs.weight" for t in header.tensors):
+        # Llama-3.1 style files store RoPE frequency factors as a tensor instead of rope_scaling keys;
+        # they only matter past the original context length, so warn rather than refuse.
+        warnings.warn(f"{path}: rope_freqs.weight (per-dimension RoPE factors) is ignored", stacklevel=2)
+    for info in tqdm(header.tensors, desc=f"loading {path.name}", disable=not show_progress, leave=False):
+        name = hf_name(info.name)
+        if name is None:
+            continue
+        raw = raw_tensor(data, info)
+        w = dequantize_tensor(path, info, raw)
+        # Only Llama-arch files are permuted by the converter; Qwen2 keeps HF's row order.
+        if config.architecture == "llama" and ".self_attn.q_proj." in name:
+            w = unpermute_qk(w, config.num_heads)
+        elif config.architecture == "llama" and ".self_attn.k_proj." in name:
+            w = unpermute_qk(w, config.num_kv_heads)
+        # require(W) copies the memory-mapped F32 tensors, which are read-only views of the file.
+        weights[name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
+        if quantized is not None:
+            # Raw blocks keep llama.cpp's Q/K row order: whoever uses them must unpermute too.
+            quantized[name] = (info.type.name, raw, info.shape)
+    check_complete(weights, config, path)
+    return config, weights, quantized

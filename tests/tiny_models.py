@@ -1,0 +1,104 @@
+"""Tiny random-weight Hugging Face checkpoints for tests (HF-vs-ours logits, loader round trips).
+
+The folders are complete: config.json, model.safetensors (or shards), and the default model's tokenizer
+(SmolLM2's 49152-token vocabulary, with its chat template), so anything that loads a model folder works.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+# Shapes the logits tests use; GQA in both, head_dim 16 and 32.
+TINY_LLAMA = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+TINY_QWEN2 = dict(hidden_size=96, num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=1)
+
+
+@functools.lru_cache(maxsize=1)
+def default_hf_tokenizer():
+    from pagedllm.model.loader import default_model_path
+    from pagedllm.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_checkpoint(default_model_path()).hf
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """HF init leaves norms at 1 and biases at 0 and keeps weights tiny (logits ~uniform); a comparison
+    against such a model would miss a dropped bias or norm, so draw everything at O(1) scale."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:  # Linear [out, in]: unit-variance outputs for unit-variance inputs
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+
+
+def _save(model: torch.nn.Module, path: Path, max_shard_size: str | int | None) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    kwargs: dict[str, Any] = {"safe_serialization": True}
+    if max_shard_size is not None:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(path, **kwargs)
+    default_hf_tokenizer().save_pretrained(path)
+    return path
+
+
+def _config_kwargs(shape: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    tok = default_hf_tokenizer()
+    kwargs: dict[str, Any] = dict(
+        vocab_size=len(tok),
+        intermediate_size=3 * shape["hidden_size"],
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    kwargs.update(shape)
+    kwargs.update(overrides)
+    return kwargs
+
+
+def save_tiny_llama(
+    path: str | Path, seed: int = 0, max_shard_size: str | int | None = None, **config_overrides: Any
+) -> Path:
+    """Write a random LlamaForCausalLM (TINY_LLAMA shape, untied lm_head unless overridden) to `path`.
+
+    config_overrides go to LlamaConfig, e.g. hidden_size=96, attention_bias=True, tie_word_embeddings=True,
+    rope_theta=..., rope_scaling={...}. Returns the folder.
+    """
+    kwargs = _config_kwargs(TINY_LLAMA, config_overrides)
+    kwargs.setdefault("tie_word_embeddings", False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
+    _randomize(model, seed)
+    return _save(model, Path(path), max_shard_size)
+
+
+def save_tiny_qwen2(
+    path: str | Path, seed: int = 0, max_shard_size: str | int | None = None, **config_overrides: Any
+) -> Path:
+    """Write a random Qwen2ForCausalLM (TINY_QWEN2 shape: q/k/v bias, tied embeddings) to `path`."""
+    kwargs = _config_kwargs(TINY_QWEN2, config_overrides)
+    kwargs.setdefault("tie_word_embeddings", True)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**kwargs)).eval()
+    _randomize(model, seed)
+    return _save(model, Path(path), max_shard_size)
+
+
+def hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """The float32 state dict transformers itself loads from a tiny folder (the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
