@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml | $(PY)
 install: $(STAMP)
 
 demo: install
-	$(VENV)/bin/pagedllm plan --model default
+	$(VENV)/bin/pagedllm generate "Write a haiku about a paged KV cache." --chat --max-tokens 64
 
 test: install
 	$(VENV)/bin/python -m pytest -q

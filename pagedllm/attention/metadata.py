@@ -1,0 +1,28 @@
+"""What one step's attention needs to know about the batch: where to write new K/V, where to read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """A flat batch of T new tokens from B sequences.
+
+    Sequences with one new token (decodes) come first, then prefills (a whole prompt or a chunk of one),
+    so decode rows can be attended in one batched call.
+    """
+
+    slot_mapping: torch.Tensor  # [T] long: block_id * block_size + offset, where each new token's K/V goes
+    query_start_loc: list[int]  # [B + 1] cumulative new-token counts (host ints: loop bounds)
+    seq_lens: list[int]  # [B] context length after this step (cached prefix + new tokens)
+    block_tables: torch.Tensor  # [B, max_blocks] long, padded with 0
+    num_decodes: int  # the first num_decodes sequences have exactly one new token
+    seq_lens_tensor: torch.Tensor  # [B] long, the same as seq_lens
+    block_size: int = 16
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)

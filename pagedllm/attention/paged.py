@@ -1,0 +1,92 @@
+"""Paged attention in plain torch for the CPU.
+
+K and V live in one cache tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]. No
+sequence has a contiguous cache: every read goes through its block table. Decodes (one query each)
+are attended together in one padded call; prefills (a prompt or a chunk of one, possibly after a
+cached prefix) one sequence at a time with a causal mask offset by the prefix length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V [T, kvh, hd] at their slots."""
+    num_kv_heads, head_dim = k.shape[-2:]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def context_slots(block_table: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """Slot index of every position 0..context_len-1 of one sequence."""
+    pos = torch.arange(context_len)
+    return block_table[pos // block_size] * block_size + pos % block_size
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, hd]
+    k: torch.Tensor,  # [T, kvh, hd] (already written to the cache)
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Returns [T, H, hd]."""
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        out[:nd] = _decode(q[:nd], kv_cache, meta, scale)
+    bs = meta.block_size
+    for i in range(nd, meta.num_seqs):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        n, ctx = end - start, meta.seq_lens[i]
+        if n == ctx:  # nothing cached before this chunk: attend to the fresh K/V directly
+            ks, vs = k[start:end], v[start:end]
+        else:
+            slots = context_slots(meta.block_tables[i], ctx, bs)
+            ks = kv_cache[0].view(-1, *k.shape[1:])[slots].to(q.dtype)
+            vs = kv_cache[1].view(-1, *v.shape[1:])[slots].to(q.dtype)
+        out[start:end] = _prefill_one(q[start:end], ks, vs, ctx - n, scale)
+    return out
+
+
+def _prefill_one(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float
+) -> torch.Tensor:
+    # [n, H, hd] x [ctx, kvh, hd] -> SDPA layout [1, H, n, hd]
+    qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    if prefix == 0:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        n, ctx = q.shape[0], k.shape[0]
+        # query j sits at position prefix + j and sees keys 0..prefix + j
+        mask = torch.arange(ctx)[None, :] <= (prefix + torch.arange(n))[:, None]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
+
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    nd = q.shape[0]
+    bs = meta.block_size
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    max_len = int(max(meta.seq_lens[:nd]))
+    nb = (max_len + bs - 1) // bs
+    tables = meta.block_tables[:nd, :nb]
+    # gather whole blocks (contiguous block_size x kvh x hd chunks), not single slots: far fewer index ops
+    k = kv_cache[0][tables].view(nd, nb * bs, num_kv_heads, head_dim).to(q.dtype)
+    v = kv_cache[1][tables].view(nd, nb * bs, num_kv_heads, head_dim).to(q.dtype)
+    # positions past a sequence's length (padding, block 0 of short tables) are masked out
+    valid = torch.arange(nb * bs)[None, :] < meta.seq_lens_tensor[:nd, None]
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return o.squeeze(2)

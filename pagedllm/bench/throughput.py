@@ -1,0 +1,42 @@
+"""Offline throughput, like `vllm bench throughput`: every prompt submitted at once, run to the end."""
+
+from __future__ import annotations
+
+import time
+
+from pagedllm.bench.dataset import BenchPrompt
+
+
+def run_offline(llm, prompts: list[BenchPrompt], ignore_eos: bool = True, use_tqdm: bool = True) -> dict:
+    from pagedllm.sampling_params import SamplingParams
+
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=ignore_eos) for p in prompts
+    ]
+    start = time.perf_counter()
+    outs = llm.generate([p.prompt for p in prompts], params, use_tqdm=use_tqdm)
+    elapsed = time.perf_counter() - start
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+    output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    ttfts = sorted(o.metrics.first_token_time - o.metrics.arrival_time for o in outs)
+    return {
+        "elapsed_time": elapsed,
+        "num_requests": len(outs),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "median_ttft_s": ttfts[len(ttfts) // 2],
+    }
+
+
+def summarize(r: dict) -> dict:
+    """vLLM's keys (elapsed_time, num_requests, total_num_tokens, requests_per_second, tokens_per_second)."""
+    total = r["prompt_tokens"] + r["output_tokens"]
+    return {
+        "elapsed_time": r["elapsed_time"],
+        "num_requests": r["num_requests"],
+        "total_num_tokens": total,
+        "requests_per_second": r["num_requests"] / r["elapsed_time"],
+        "tokens_per_second": total / r["elapsed_time"],
+        "output_tokens_per_second": r["output_tokens"] / r["elapsed_time"],
+        **{k: v for k, v in r.items() if k not in ("elapsed_time", "num_requests")},
+    }

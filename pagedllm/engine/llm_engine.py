@@ -1,0 +1,345 @@
+"""LLMEngine: add requests, step them together, read their outputs.
+
+One step: the scheduler picks who runs and where their K/V go, the model runner runs one flat batch
+and samples, the scheduler advances the requests, the detokenizer turns new tokens into text and
+checks stop strings. Requests with n > 1 are run as n sibling requests that share the prompt's blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.errors import InputError
+from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.loader import load_checkpoint, resolve_model_path
+from pagedllm.model.tokenizer import Tokenizer
+from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.units import format_size, parse_size
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("pagedllm")
+
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+DEFAULT_KV_CACHE_MEMORY = "1GiB"
+
+
+def default_dtype() -> torch.dtype:
+    """bf16 where the CPU multiplies it natively (AVX-512 BF16 / AMX: about 4x fp32 GEMM), else fp32."""
+    if torch.cuda.is_available():
+        return torch.bfloat16
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return torch.float32
+    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return default_dtype()
+    if dtype not in DTYPES:
+        raise InputError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}", param="dtype")
+    return DTYPES[dtype]
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_blocks_total: int
+    num_free_blocks: int
+    num_cached_free_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        return self.num_blocks_total - self.num_free_blocks
+
+
+@dataclass
+class _Group:
+    """One user request: its n sibling Requests and their detokenizers."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[Request]
+    detokenizers: list[IncrementalDetokenizer]
+    logprobs: list[list[dict[int, Logprob]] | None]
+    cumulative_logprob: list[float | None]
+    metrics: RequestMetrics
+    stop_reasons: list[str | int | None] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str = "default",
+        dtype: str | torch.dtype | None = "auto",
+        block_size: int = 16,
+        kv_cache_memory: str | int | None = None,
+        num_kv_blocks: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        kv_cache_dtype: str = "auto",
+        seed: int = 0,
+        show_progress: bool = True,
+    ):
+        if block_size < 1:
+            raise InputError(f"block_size must be at least 1, got {block_size}", param="block_size")
+        self.dtype = resolve_dtype(dtype)
+        torch.manual_seed(seed)
+        path = resolve_model_path(model)
+        ckpt = load_checkpoint(path, show_progress=show_progress)
+        self.model_path = path
+        self.model_config = cfg = ckpt.config
+        self.tokenizer = Tokenizer.from_checkpoint(path)
+        self.model = LlamaForCausalLM.from_weights(cfg, ckpt.weights, self.dtype)
+        del ckpt
+
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        kv_dtype_bytes = torch.tensor([], dtype=self._kv_dtype(kv_cache_dtype)).element_size()
+        block_bytes = 2 * cfg.num_layers * block_size * cfg.kv_width * kv_dtype_bytes
+        if num_kv_blocks is None:
+            memory = parse_size(kv_cache_memory if kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY)
+            num_kv_blocks = memory // block_bytes
+        if num_kv_blocks < 1:
+            raise InputError(
+                "KV cache holds no block: raise kv_cache_memory or num_kv_blocks", param="num_kv_blocks"
+            )
+        if num_kv_blocks * block_size < self.max_model_len:
+            # a request may never need more blocks than the pool has: the context shrinks to fit
+            logger.warning(
+                "max_model_len %d exceeds the KV cache (%d tokens); capping it",
+                self.max_model_len,
+                num_kv_blocks * block_size,
+            )
+            self.max_model_len = num_kv_blocks * block_size
+        self.cache_config = CacheConfig(block_size, num_kv_blocks, kv_cache_dtype, enable_prefix_caching)
+        self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
+        self.runner = ModelRunner(self.model, cfg, self.cache_config, self.dtype)
+        tokens = num_kv_blocks * block_size
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%s); max concurrency at %d tokens: %.2f x",
+            num_kv_blocks,
+            block_size,
+            tokens,
+            format_size(num_kv_blocks * block_bytes),
+            self.max_model_len,
+            tokens / self.max_model_len,
+        )
+        self.eos_token_ids = sorted(set(cfg.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})
+        self._groups: dict[str, _Group] = {}
+        self._child_to_group: dict[str, _Group] = {}
+
+    def _kv_dtype(self, kv_cache_dtype: str) -> torch.dtype:
+        named = {"auto": self.dtype, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+        if kv_cache_dtype not in named:
+            raise InputError(
+                f"kv_cache_dtype must be one of {', '.join(named)}; got {kv_cache_dtype!r}",
+                param="kv_cache_dtype",
+            )
+        return named[kv_cache_dtype]
+
+    # ---- requests in ------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise InputError(f"request_id {request_id!r} is already running", param="request_id")
+        if isinstance(prompt, str):
+            text, prompt_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, prompt_ids = None, list(prompt)
+        if not prompt_ids:
+            raise InputError("prompt is empty: it must have at least one token", param="prompt")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InputError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(prompt_ids)
+            if max_tokens < 1:
+                raise InputError(
+                    f"prompt has {len(prompt_ids)} tokens, the context length is {self.max_model_len}",
+                    param="prompt",
+                )
+        self.scheduler.check_can_ever_fit(len(prompt_ids), max_tokens)
+
+        now = arrival_time if arrival_time is not None else time.time()
+        group = _Group(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            children=[],
+            detokenizers=[],
+            logprobs=[],
+            cumulative_logprob=[],
+            metrics=RequestMetrics(arrival_time=now),
+            stop_reasons=[None] * params.n,
+        )
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator().manual_seed(params.seed + i)
+            req = Request(
+                request_id=child_id,
+                prompt_token_ids=prompt_ids,
+                sampling_params=params,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=now,
+                group_id=request_id,
+                index=i,
+                generator=gen,
+            )
+            group.children.append(req)
+            group.detokenizers.append(
+                IncrementalDetokenizer(
+                    self.tokenizer.hf,
+                    prompt_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop,
+                    include_stop_str_in_output=params.include_stop_str_in_output,
+                    min_tokens=params.min_tokens,
+                )
+            )
+            group.logprobs.append([] if params.logprobs is not None else None)
+            group.cumulative_logprob.append(0.0 if params.logprobs is not None else None)
+            self._child_to_group[child_id] = group
+        self._groups[request_id] = group
+        for req in group.children:
+            self.scheduler.add_request(req)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            group = self._groups.pop(rid, None)
+            if group is None:
+                continue
+            ids = [c.request_id for c in group.children]
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            for cid in ids:
+                self._child_to_group.pop(cid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        now = time.time()
+        for req in sched_out.scheduled_requests:
+            group = self._child_to_group.get(req.request_id)
+            if group is not None and group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = now
+        sampled = self.runner.execute_model(sched_out)
+        self.scheduler.update_from_output(sched_out, {rid: s.token_id for rid, s in sampled.items()})
+        now = time.time()
+        touched: dict[str, _Group] = {}
+        for rid, s in sampled.items():
+            group = self._child_to_group.get(rid)
+            if group is None:
+                continue
+            touched[group.request_id] = group
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+            i = int(rid.rsplit("#", 1)[1]) if group.params.n > 1 else 0
+            req = group.children[i]
+            if group.logprobs[i] is not None:
+                group.logprobs[i].append(self._logprob_dict(s))
+                group.cumulative_logprob[i] += s.logprob
+            stop = group.detokenizers[i].update([s.token_id])
+            if stop is not None and not req.is_finished:
+                group.stop_reasons[i] = stop
+                self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
+            elif req.is_finished and req.stop_reason is not None:
+                group.stop_reasons[i] = req.stop_reason
+        outputs = []
+        for group in touched.values():
+            finished = all(c.is_finished for c in group.children)
+            if finished:
+                group.metrics.finished_time = now
+                group.metrics.num_preemptions = sum(c.num_preemptions for c in group.children)
+                del self._groups[group.request_id]
+                for c in group.children:
+                    self._child_to_group.pop(c.request_id, None)
+            outputs.append(self._make_output(group, finished))
+        return outputs
+
+    def _logprob_dict(self, s) -> dict[int, Logprob]:
+        decode = self.tokenizer.decode
+        out = {s.token_id: Logprob(s.logprob, s.rank, decode([s.token_id], skip_special_tokens=False))}
+        for rank, (tid, lp) in enumerate(s.top_logprobs or [], start=1):
+            if tid not in out:
+                out[tid] = Logprob(lp, rank, decode([tid], skip_special_tokens=False))
+        return out
+
+    def _make_output(self, group: _Group, finished: bool) -> RequestOutput:
+        completions = []
+        for i, (req, detok) in enumerate(zip(group.children, group.detokenizers)):
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=detok.get_next_output_text(req.is_finished, delta=False),
+                    token_ids=list(req.output_token_ids),
+                    cumulative_logprob=group.cumulative_logprob[i],
+                    logprobs=group.logprobs[i],
+                    finish_reason=req.finish_reason,
+                    stop_reason=group.stop_reasons[i],
+                )
+            )
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            metrics=group.metrics,
+        )
+
+    # ---- what the engine holds --------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler
+        kv = s.kv_cache_manager
+        return EngineStats(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_blocks_total=kv.num_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            num_cached_free_blocks=kv.num_cached_free_blocks,
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=s.num_preemptions,
+        )

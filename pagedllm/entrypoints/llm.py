@@ -1,0 +1,88 @@
+"""The offline API, the vLLM way: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+
+from tqdm.auto import tqdm
+
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.errors import InputError
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """Loads a model once and generates for many prompts in continuous batches.
+
+    >>> llm = LLM(model="default")
+    >>> out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    >>> out[0].outputs[0].text
+    """
+
+    def __init__(self, model: str = "default", **engine_kwargs):
+        self.llm_engine = LLMEngine(model=model, **engine_kwargs)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; returns their outputs in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise InputError(
+                    f"got {len(params)} sampling_params for {len(prompts)} prompts", param="sampling_params"
+                )
+        else:
+            params = [params] * len(prompts)
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        engine = self.llm_engine
+        for rid, prompt, p in zip(ids, prompts, params):
+            engine.add_request(rid, prompt, p)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.llm_engine.tokenizer
+        prompts = [
+            tok.encode(tok.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False)
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        pending = set(ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        finished[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(list(pending))
+            raise
+        finally:
+            bar.close()
+        return [finished[i] for i in ids]

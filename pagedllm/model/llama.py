@@ -1,0 +1,147 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2) over a paged KV cache.
+
+The model sees one flat batch of new tokens from many sequences; it knows nothing of requests. K/V are
+written to the paged cache at `slot_mapping` and read back through block tables (attention/paged.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.paged import paged_attention, write_kv
+from pagedllm.config import ModelConfig
+from pagedllm.model.layers.norm import RMSNorm
+from pagedllm.model.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+        )
+        d, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
+        # Llama's attention_bias covers o_proj too; Qwen2 has q/k/v bias only
+        self.o_proj = nn.Linear(
+            self.num_heads * self.head_dim, d, bias=bias and config.architecture != "qwen2"
+        )
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, positions, self.rotary, kv_cache, meta)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits for the rows that sample only: the lm_head is the largest matmul of a decode step."""
+        return self.lm_head(hidden).float()
+
+    @classmethod
+    def from_weights(
+        cls,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ) -> LlamaForCausalLM:
+        """Build without random initialisation (seconds saved at start-up), then load the checkpoint."""
+        with torch.device("meta"):
+            model = cls(config)
+        model = model.to_empty(device=device).to(dtype)
+        if config.tie_word_embeddings:  # to_empty gives each parameter its own storage: tie again
+            model.lm_head.weight = model.model.embed_tokens.weight
+        # non-persistent buffers are not in the checkpoint: compute them for real
+        model.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        ).to(device=device, dtype=dtype)
+        model.load_weights(weights)
+        return model.eval()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        params = dict(self.named_parameters())
+        missing = set(params) - set(weights)
+        if self.config.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                if name in params and not (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                    if params[name].shape != tensor.shape:
+                        raise ValueError(
+                            f"{name}: checkpoint shape {tuple(tensor.shape)}, model {tuple(params[name].shape)}"
+                        )
+                    params[name].copy_(tensor)

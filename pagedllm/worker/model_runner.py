@@ -1,0 +1,117 @@
+"""Turns the scheduler's decision into one flat batch, runs the model over the paged cache, samples.
+
+Per step: input_ids and positions of every new token, the slot each token's K/V goes to
+(slot_mapping), and for every sequence its block table and context length. Decodes are ordered
+first so the attention backend can batch them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.config import CacheConfig, ModelConfig
+from pagedllm.worker.sampler import SamplingBatch, sample
+
+KV_CACHE_DTYPES = {"auto": None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None  # of the sampled token, when logprobs were asked for
+    rank: int | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class ModelRunner:
+    def __init__(self, model, model_config: ModelConfig, cache_config: CacheConfig, dtype: torch.dtype):
+        self.model = model
+        self.config = model_config
+        self.block_size = cache_config.block_size
+        kv_dtype = KV_CACHE_DTYPES.get(cache_config.kv_cache_dtype) or dtype
+        shape = (
+            2,
+            cache_config.num_blocks,
+            self.block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+        )
+        # zeroed, not empty: padded decode positions read block 0 and garbage NaNs would leak through 0 * NaN
+        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype) for _ in range(model_config.num_layers)]
+
+    def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
+        """Copy-on-write: give a request its own copy of a shared block before it writes into it."""
+        if not blocks_to_copy:
+            return
+        src = torch.tensor([s for s, _ in blocks_to_copy])
+        dst = torch.tensor([d for _, d in blocks_to_copy])
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
+
+    def prepare_inputs(self, requests: list, num_new: dict[str, int]):
+        bs = self.block_size
+        # decodes (one new token) first: the attention backend attends them in one call
+        order = sorted(requests, key=lambda r: num_new[r.request_id] != 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []  # index into the flat batch of each sampling row's last token
+        sampling_requests = []
+        for req in order:
+            n, start = num_new[req.request_id], req.num_computed_tokens
+            end = start + n
+            input_ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            table = req.block_ids
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(end)
+            tables.append(table)
+            if end == req.num_tokens:  # caught up with every known token: this row samples the next one
+                sample_rows.append(query_start_loc[-1] - 1)
+                sampling_requests.append(req)
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            num_decodes=sum(1 for r in order if num_new[r.request_id] == 1),
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long),
+            block_size=bs,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        return ids, pos, meta, sample_rows, sampling_requests
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output) -> dict[str, SampledToken]:
+        self.copy_blocks(scheduler_output.blocks_to_copy)
+        requests = scheduler_output.scheduled_requests
+        if not requests:
+            return {}
+        ids, pos, meta, sample_rows, sampling_requests = self.prepare_inputs(
+            requests, scheduler_output.num_scheduled_tokens
+        )
+        hidden = self.model(ids, pos, self.kv_caches, meta)
+        if not sampling_requests:
+            return {}
+        logits = self.model.compute_logits(hidden[sample_rows])
+        batch = SamplingBatch.from_requests(sampling_requests, logits.shape[-1])
+        out = sample(logits, batch)
+        result = {}
+        for i, req in enumerate(sampling_requests):
+            result[req.request_id] = SampledToken(
+                token_id=out.token_ids[i],
+                logprob=out.sampled_logprobs[i],
+                rank=out.sampled_ranks[i] if out.sampled_ranks else None,
+                top_logprobs=out.logprobs[i],
+            )
+        return result

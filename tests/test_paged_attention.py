@@ -1,0 +1,131 @@
+"""Paged attention against a dense causal reference, on scattered and shared block tables."""
+
+import math
+
+import pytest
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.paged import paged_attention, write_kv
+
+BS, H, KVH, HD = 16, 6, 2, 32
+
+
+def dense_reference(q, k, v, prefix):
+    """q [n, H, hd], k/v [ctx, KVH, hd]; query j is at position prefix + j."""
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, dim=1)
+    v = v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    n, ctx = q.shape[0], k.shape[0]
+    allowed = torch.arange(ctx)[None, :] <= (prefix + torch.arange(n))[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def build_step(seqs, num_blocks, gen):
+    """seqs: list of (context_len, num_new, block_table). Returns q, k, v, meta, full K/V per sequence."""
+    cache = torch.zeros(2, num_blocks, BS, KVH, HD)
+    fulls, qs, ks, vs, slots = [], [], [], [], []
+    loc, lens, tables = [0], [], []
+    for ctx, n, table in seqs:
+        kf = torch.randn(ctx, KVH, HD, generator=gen)
+        vf = torch.randn(ctx, KVH, HD, generator=gen)
+        # the cached prefix is written into the cache beforehand, the new tokens by the step itself
+        pos = torch.arange(ctx)
+        s = torch.tensor(table)[pos // BS] * BS + pos % BS
+        write_kv(cache, kf[: ctx - n], vf[: ctx - n], s[: ctx - n])
+        q = torch.randn(n, H, HD, generator=gen)
+        fulls.append((q, kf, vf, ctx - n))
+        qs.append(q), ks.append(kf[ctx - n :]), vs.append(vf[ctx - n :]), slots.append(s[ctx - n :])
+        loc.append(loc[-1] + n)
+        lens.append(ctx)
+        tables.append(table)
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots),
+        query_start_loc=loc,
+        seq_lens=lens,
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        num_decodes=sum(1 for _, n, _ in seqs if n == 1),
+        seq_lens_tensor=torch.tensor(lens),
+        block_size=BS,
+    )
+    return torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, fulls
+
+
+def scattered_tables(lengths, num_blocks, gen):
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for ctx in lengths:
+        need = -(-ctx // BS)
+        tables.append([perm.pop() for _ in range(need)])
+    return tables
+
+
+@pytest.mark.parametrize("lengths", [[1, 15, 16, 17, 100], [100, 17, 16, 15, 1], [33]])
+def test_decode_and_prefill_match_dense(lengths):
+    gen = torch.Generator().manual_seed(sum(lengths))
+    num_blocks = 64
+    # decodes (one new token, the rest cached), then a whole prefill and a chunk after a cached prefix
+    shapes = [(ctx, 1) for ctx in lengths] + [(17, 17), (100, 37)]
+    tables = scattered_tables([ctx for ctx, _ in shapes], num_blocks, gen)
+    seqs = [(ctx, n, t) for (ctx, n), t in zip(shapes, tables)]
+    q, k, v, cache, meta, fulls = build_step(seqs, num_blocks, gen)
+    write_kv(cache, k, v, meta.slot_mapping)
+    out = paged_attention(q, k, v, cache, meta, HD**-0.5)
+    for i, (qi, kf, vf, prefix) in enumerate(fulls):
+        a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        torch.testing.assert_close(out[a:b], dense_reference(qi, kf, vf, prefix), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "ctx,new", [(1, 1), (15, 15), (16, 16), (17, 17), (100, 100), (100, 37), (33, 17), (48, 16)]
+)
+def test_prefill_with_and_without_cached_prefix(ctx, new):
+    gen = torch.Generator().manual_seed(ctx * 1000 + new)
+    num_blocks = 32
+    # a decode of another sequence rides along in the same step
+    other, table = scattered_tables([20, ctx], num_blocks, gen)
+    seqs = [(20, 1, other), (ctx, new, table)]
+    q, k, v, cache, meta, fulls = build_step(seqs, num_blocks, gen)
+    write_kv(cache, k, v, meta.slot_mapping)
+    out = paged_attention(q, k, v, cache, meta, HD**-0.5)
+    for i, (qi, kf, vf, prefix) in enumerate(fulls):
+        a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        torch.testing.assert_close(out[a:b], dense_reference(qi, kf, vf, prefix), atol=1e-5, rtol=1e-5)
+
+
+def test_shared_blocks_are_read_by_both_sequences():
+    """Two sequences whose tables point at the same physical prefix blocks (prefix sharing)."""
+    gen = torch.Generator().manual_seed(7)
+    cache = torch.zeros(2, 16, BS, KVH, HD)
+    shared = [9, 3]  # 32 tokens of common prefix, non-contiguous
+    ta, tb = shared + [12], shared + [5]
+    prefix_k, prefix_v = torch.randn(32, KVH, HD, generator=gen), torch.randn(32, KVH, HD, generator=gen)
+    pos = torch.arange(32)
+    write_kv(cache, prefix_k, prefix_v, torch.tensor(shared)[pos // BS] * BS + pos % BS)
+    tails = [
+        (torch.randn(5, KVH, HD, generator=gen), torch.randn(5, KVH, HD, generator=gen)) for _ in range(2)
+    ]
+    for (tk, tv), t in zip(tails, (ta, tb)):
+        write_kv(cache, tk[:4], tv[:4], torch.tensor([t[2] * BS + j for j in range(4)]))
+    q = torch.randn(2, H, HD, generator=gen)
+    k = torch.stack([tails[0][0][4], tails[1][0][4]])
+    v = torch.stack([tails[0][1][4], tails[1][1][4]])
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([ta[2] * BS + 4, tb[2] * BS + 4]),
+        query_start_loc=[0, 1, 2],
+        seq_lens=[37, 37],
+        block_tables=torch.tensor([ta, tb]),
+        num_decodes=2,
+        seq_lens_tensor=torch.tensor([37, 37]),
+        block_size=BS,
+    )
+    write_kv(cache, k, v, meta.slot_mapping)
+    out = paged_attention(q, k, v, cache, meta, HD**-0.5)
+    for i, (tk, tv) in enumerate(tails):
+        kf, vf = torch.cat([prefix_k, tk]), torch.cat([prefix_v, tv])
+        torch.testing.assert_close(
+            out[i : i + 1], dense_reference(q[i : i + 1], kf, vf, 36), atol=1e-5, rtol=1e-5
+        )
