@@ -1,0 +1,139 @@
+"""OpenAI-compatible HTTP server (like vLLM's entrypoints/openai, much smaller).
+
+    protocol.py             request/response bodies (pydantic)
+    serving_completion.py   POST /v1/completions
+    serving_chat.py         POST /v1/chat/completions
+    errors.py               OpenAI-shaped error bodies and the exception handlers
+    server.py               the FastAPI app, the other routes, and `run_server(args)`
+
+This module holds `OpenAIServing`, what both serving classes share: the model-name check, prompt length
+and max_tokens checks, logprob decoding, and merging the output streams of several engine requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from pagedllm.engine.async_engine import AsyncEngine, RequestStream
+from pagedllm.entrypoints.openai.errors import APIError
+from pagedllm.errors import InputError
+from pagedllm.sampling_params import SamplingParams
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str]):
+        self.engine = engine
+        self.served_model_names = list(served_model_names)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.max_model_len)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise APIError(f"The model `{model}` does not exist.", status=404, param="model")
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        """Out-of-vocabulary ids would crash the embedding lookup inside a batched step: reject them here."""
+        vocab_size = getattr(self.engine.model_config, "vocab_size", None)
+        for t in token_ids:
+            if t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise InputError(f"token id {t} is outside the vocabulary (size {vocab_size})", param=param)
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> int:
+        """max_tokens, defaulting to what the context leaves; a prompt that can never fit is a 400."""
+        if num_prompt_tokens == 0:
+            raise InputError(f"{prompt_param} must not be empty", param=prompt_param)
+        if num_prompt_tokens >= self.max_model_len:
+            raise InputError(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{num_prompt_tokens} tokens (and at least one must be generated).",
+                param=prompt_param,
+            )
+        return self.max_model_len - num_prompt_tokens if max_tokens is None else max_tokens
+
+    def check_context(self, num_prompt_tokens: int, params: SamplingParams, max_tokens_param: str) -> None:
+        # Runs after SamplingParams validated max_tokens >= 1, so this message is about the sum only.
+        total = num_prompt_tokens + (params.max_tokens or 0)
+        if total > self.max_model_len:
+            raise InputError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{total} tokens ({num_prompt_tokens} in the prompt, {params.max_tokens} in the completion). "
+                "Please reduce the length of the prompt or the completion.",
+                param=max_tokens_param,
+            )
+
+    def decode_token(self, token_id: int, logprob: Any = None) -> str:
+        decoded = getattr(logprob, "decoded_token", None)
+        if decoded is not None:
+            return decoded
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def add_requests(
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams
+    ) -> list[RequestStream]:
+        """One engine request per prompt; if one is refused, the ones already added are aborted."""
+        streams: list[RequestStream] = []
+        try:
+            for i, token_ids in enumerate(prompts):
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", token_ids, params))
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            raise
+        return streams
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several requests' outputs as they come, as (stream index, RequestOutput)."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                await queue.put((i, output))
+            await queue.put((i, done))
+        except Exception as e:
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def last_outputs(streams: list[RequestStream]) -> list[Any]:
+    """The final (finished) RequestOutput of each stream."""
+
+    async def last(stream: RequestStream) -> Any:
+        output = None
+        async for output in stream:  # noqa: B007 - we want the last one
+            pass
+        return output
+
+    return list(await asyncio.gather(*(last(s) for s in streams)))

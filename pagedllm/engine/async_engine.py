@@ -1,0 +1,345 @@
+"""AsyncEngine: serve a thread-unsafe LLMEngine to many asyncio callers.
+
+One background thread owns the engine. It is the only thread that ever touches it: it applies the
+queued add/abort commands, calls engine.step() while work exists, and hands each RequestOutput to the
+asyncio.Queue of its request through loop.call_soon_threadsafe. The model's forward pass runs in torch,
+which releases the GIL, so the event loop stays responsive while a step computes.
+
+    engine = AsyncEngine(LLMEngine(model="default"))
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=8), "req-1"):
+        print(out.outputs[0].text)        # cumulative text so far
+    await engine.shutdown()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How long the idle loop thread sleeps on the command queue before re-checking its stop flag.
+_IDLE_POLL_S = 0.05
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is shutting down (or its loop thread died): no new requests are taken."""
+
+
+class RequestFailedError(RuntimeError):
+    """The request ended unfinished: engine.step() raised, it was aborted, or the engine shut down."""
+
+
+@dataclass
+class _Stream:
+    """Where the outputs of one request go: a queue that belongs to the caller's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class RequestStream:
+    """Async iterator over the cumulative RequestOutputs of one request, ending after the finished one.
+
+    Closing it (or leaving `async with`) before the end aborts the request, which frees its KV blocks.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream):
+        self.engine = engine
+        self.request_id = request_id
+        self._stream = stream
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._stream.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True  # the loop thread already dropped (and aborted) this request
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it already finished. Sync so it is safe inside `finally` on cancel."""
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class _RequestTiming:
+    """Per-request bookkeeping for latency metrics, kept by the loop thread only."""
+
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: int = 0  # generated so far, summed over the choices
+    num_outputs: int = 0  # RequestOutputs seen so far
+
+
+class AsyncEngine:
+    """Runs `engine` in a background thread and exposes it to asyncio.
+
+    `stats_observer` (optional, e.g. pagedllm.metrics.ServerMetrics) is called on the loop thread with
+    `on_output(output, new_tokens, timing, now)` for every RequestOutput and `on_abort(request_id)`.
+    """
+
+    def __init__(self, engine: Any, *, stats_observer: Any = None, start: bool = True):
+        self.engine = engine
+        self.observer = stats_observer
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}  # loop thread only
+        self._timings: dict[str, _RequestTiming] = {}  # loop thread only
+        self._accepting = True
+        self._stop = threading.Event()
+        self._ids = itertools.count()
+        self._stats = None
+        self._stats_failing = False
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine-loop", daemon=True)
+        self.error: BaseException | None = None  # set when the loop thread itself died
+        if start:
+            self.start()
+
+    # ------------------------------------------------------------------ public API (any thread)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_config(self) -> Any:
+        return getattr(self.engine, "model_config", None)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def start(self) -> None:
+        if not self._thread.is_alive():
+            self._thread.start()
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Queue a request; raises what engine.add_request raises (InputError) here, in the caller."""
+        if not self._accepting or not self.is_running:
+            raise EngineClosedError("the engine is shutting down and takes no new requests")
+        stream = _Stream(loop=asyncio.get_running_loop())
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._commands.put(("add", (request_id, prompt, params, arrival_time, stream, done)))
+        await asyncio.wrap_future(done)
+        return RequestStream(self, request_id, stream)
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[Any]:
+        """Yield cumulative RequestOutputs; cancelling or closing the consumer aborts the request."""
+        request_id = request_id or self.new_request_id()
+        stream = await self.add_request(request_id, prompt, params)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str | list[str]) -> None:
+        """Abort from any thread; the loop thread applies it before its next step."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._commands.put(("abort", ids))
+
+    def get_stats(self) -> Any:
+        """The engine stats as of the end of the last step (a snapshot the loop thread refreshes)."""
+        return self._stats
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop taking requests, let in-flight ones finish for up to `timeout` s, abort the rest, stop."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout
+        while self._streams and self.is_running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._streams and self.is_running:
+            done: concurrent.futures.Future[None] = concurrent.futures.Future()
+            self._commands.put(("abort_all", done))
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(done), timeout=max(1.0, timeout))
+            except asyncio.TimeoutError:
+                logger.warning("engine loop did not abort in-flight requests in time")
+        self._stop.set()
+        self._commands.put(("wake", None))
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, max(1.0, timeout))
+
+    # ------------------------------------------------------------------ loop thread
+
+    def _run(self) -> None:
+        self._refresh_stats()
+        try:
+            while not self._stop.is_set():
+                busy = self.engine.has_unfinished_requests()
+                self._apply_commands(block=not busy)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as e:  # a bug in this loop itself: fail everyone rather than hang them
+            logger.exception("engine loop died")
+            self.error = e
+            self._fail_all(EngineClosedError(f"engine loop died: {e!r}"))
+        finally:
+            self._reject_pending()
+
+    def _apply_commands(self, block: bool) -> None:
+        """Apply all queued commands; when idle, wait a little for the first one."""
+        try:
+            cmd = self._commands.get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(*cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, kind: str, arg: Any) -> None:
+        if kind == "add":
+            request_id, prompt, params, arrival_time, stream, done = arg
+            try:
+                if request_id in self._streams:
+                    raise ValueError(f"request id {request_id!r} is already in flight")
+                self.engine.add_request(request_id, prompt, params, arrival_time=arrival_time)
+            except Exception as e:  # InputError and friends go back to the caller of add_request
+                done.set_exception(e)
+                return
+            self._streams[request_id] = stream
+            self._timings[request_id] = _RequestTiming(arrival=time.monotonic())
+            done.set_result(None)
+            self._refresh_stats()
+        elif kind == "abort":
+            self._abort(arg, RequestFailedError("the request was aborted"))
+        elif kind == "abort_all":
+            self._abort(list(self._streams), RequestFailedError("aborted: the server is shutting down"))
+            arg.set_result(None)
+        # "wake" only interrupts the idle wait
+
+    def _abort(self, ids: list[str], error: BaseException) -> None:
+        """Abort in the engine (freeing blocks) and end each stream with `error`, so that a consumer
+        still waiting (not the one that asked for the abort) is not left hanging."""
+        ids = [i for i in ids if i in self._streams]
+        if not ids:
+            return
+        try:
+            self.engine.abort_request(ids)
+        except Exception:
+            logger.exception("abort_request(%s) failed", ids)
+        for request_id in ids:
+            self._deliver(self._streams.pop(request_id), error)
+            timing = self._timings.pop(request_id, None)
+            if self.observer is not None and timing is not None:
+                self.observer.on_abort(request_id)
+        self._refresh_stats()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # We cannot tell which request broke the step, so every in-flight request gets the error
+            # and is aborted; the loop itself keeps serving new requests.
+            logger.exception("engine.step() failed; aborting %d in-flight requests", len(self._streams))
+            self._abort(list(self._streams), RequestFailedError(f"engine step failed: {e!r}"))
+            return
+        now = time.monotonic()
+        for output in outputs:
+            self._observe(output, now)
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue  # aborted meanwhile
+            if output.finished:
+                del self._streams[output.request_id]
+            self._deliver(stream, output)
+        self._refresh_stats()
+
+    def _observe(self, output: Any, now: float) -> None:
+        timing = self._timings.get(output.request_id)
+        if timing is None:
+            return
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        new_tokens = num_tokens - timing.num_tokens
+        if self.observer is not None:
+            try:
+                self.observer.on_output(output, new_tokens, timing, now)
+            except Exception:
+                logger.exception("metrics observer failed")
+        if new_tokens > 0:
+            if timing.first_token is None:
+                timing.first_token = now
+            timing.last_token = now
+            timing.num_tokens = num_tokens
+        timing.num_outputs += 1
+        if output.finished:
+            del self._timings[output.request_id]
+
+    def _deliver(self, stream: _Stream, item: Any) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
+            pass
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            self._deliver(stream, error)
+
+    def _reject_pending(self) -> None:
+        """Answer commands that raced with shutdown so that no caller awaits forever."""
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                arg[-1].set_exception(EngineClosedError("the engine is shutting down"))
+            elif kind == "abort_all":
+                arg.set_result(None)
+
+    def _refresh_stats(self) -> None:
+        try:
+            self._stats = self.engine.get_stats()
+            self._stats_failing = False
+        except Exception:
+            if not self._stats_failing:  # once per failure streak: this runs after every step
+                logger.exception("engine.get_stats() failed; /metrics keeps the last snapshot")
+            self._stats_failing = True

@@ -1,0 +1,97 @@
+"""Every error the server returns has OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+The official clients turn the status into a typed exception (400 BadRequestError, 401 AuthenticationError,
+404 NotFoundError, ...), so the status matters most; `param` names the offending field when we know it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedllm.engine.async_engine import EngineClosedError, RequestFailedError
+from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from pagedllm.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    """Raised by handlers for errors that are not plain bad input (unknown model, bad key)."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+
+def error_body(message: str, status: int, param: str | None = None) -> ErrorResponse:
+    err_type = ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+    return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status))
+
+
+def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param).model_dump(), status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """First pydantic error as 'field: problem', and the top-level field it is about."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    err = errors[0]
+    if err.get("type") == "json_invalid":
+        return f"invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
+    loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+    param = loc[0] if loc else None
+    where = ".".join(loc)
+    return (f"{where}: {err.get('msg')}" if where else str(err.get("msg"))), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(message, 400, param)  # OpenAI and vLLM say 400, not FastAPI's 422
+
+    @app.exception_handler(InputError)
+    async def _input(_: Request, exc: InputError) -> JSONResponse:
+        return error_response(str(exc), 400, exc.param)
+
+    @app.exception_handler(APIError)
+    async def _api(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.message, exc.status, exc.param)
+
+    @app.exception_handler(EngineClosedError)
+    async def _closed(_: Request, exc: EngineClosedError) -> JSONResponse:
+        return error_response(str(exc), 503)
+
+    @app.exception_handler(RequestFailedError)
+    async def _failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        # Handled here rather than by the catch-all below, which re-raises and drops the connection.
+        return error_response(str(exc), 500)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown route, method
+        return error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return error_response(f"internal error: {exc!r}", 500)

@@ -1,0 +1,227 @@
+"""The FastAPI app: OpenAI routes plus /health, /metrics, /tokenize, /detokenize, /version.
+
+    python -m pagedllm.entrypoints.openai.server --model default --port 8000   # same as `pagedllm serve`
+
+`build_app(async_engine, ...)` works with any engine that has LLMEngine's interface, so tests can serve a
+fake one in-process; `run_server(args)` builds the real LLMEngine and runs uvicorn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import secrets
+import sys
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagedllm import __version__
+from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.entrypoints.openai.errors import error_response, install_error_handlers
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.errors import InputError
+from pagedllm.metrics import ServerMetrics
+
+logger = logging.getLogger("pagedllm.server")
+
+
+def _respond(result: Any) -> Response:
+    if isinstance(result, AsyncIterator):
+        # no-cache / no proxy buffering: each step's chunk should reach the client right away
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(result, media_type="text/event-stream", headers=headers)
+    return JSONResponse(result.model_dump())
+
+
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer KEY`, on /v1/* only (/health and /metrics stay open for probes).
+
+    A plain ASGI middleware: Starlette's BaseHTTPMiddleware would wrap `receive` and hide client
+    disconnects from the handlers (Request.is_disconnected), which we need to abort abandoned requests.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                await error_response("Invalid or missing API key", 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _unless_disconnected(raw: Request, work: Awaitable[Any]) -> Any:
+    """Await a handler's work, but cancel it (which aborts its engine requests) if the client leaves.
+
+    Streaming handlers return their generator at once, so this only ever waits on non-streaming
+    generations; a dropped stream is noticed by Starlette, which cancels the generator instead.
+    """
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await raw.is_disconnected():
+                task.cancel()
+                return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+    finally:
+        task.cancel()  # no-op when done
+
+
+def build_app(
+    engine: AsyncEngine,
+    *,
+    served_model_names: list[str],
+    api_key: str | None = None,
+    model_root: str | None = None,
+    shutdown_timeout: float = 10.0,
+) -> FastAPI:
+    metrics = ServerMetrics(engine.get_stats)
+    engine.observer = metrics  # the loop thread records tokens and latencies as outputs arrive
+    completions = OpenAIServingCompletion(engine, served_model_names)
+    chat = OpenAIServingChat(engine, served_model_names)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        # uvicorn has stopped taking connections; let in-flight requests finish, then stop the loop.
+        await engine.shutdown(timeout=shutdown_timeout)
+
+    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    install_error_handlers(app)
+
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return error_response("the engine loop is not running", 503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
+
+    @app.get("/metrics")
+    async def scrape() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        cards = [
+            ModelCard(id=name, root=model_root or name, max_model_len=engine.max_model_len)
+            for name in served_model_names
+        ]
+        return ModelList(data=cards)
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw: Request) -> Response:
+        result = await _unless_disconnected(raw, completions.create_completion(request))
+        return result if isinstance(result, Response) else _respond(result)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
+        result = await _unless_disconnected(raw, chat.create_chat_completion(request))
+        return result if isinstance(result, Response) else _respond(result)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        chat.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise InputError("give exactly one of prompt and messages", param="prompt")
+        if request.messages is not None:
+            tokens = chat.render_messages(request.messages, request.add_generation_prompt)
+            if request.add_special_tokens:  # rendered text already has its special tokens; add BOS if asked
+                tokens = chat.tokenizer.encode(chat.tokenizer.decode(tokens, skip_special_tokens=False))
+        else:
+            add_special = True if request.add_special_tokens is None else request.add_special_tokens
+            tokens = chat.tokenizer.encode(request.prompt, add_special_tokens=add_special)
+        return TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        chat.check_model(request.model)
+        chat.check_token_ids(request.tokens, "tokens")
+        return DetokenizeResponse(prompt=chat.tokenizer.decode(request.tokens))
+
+    return app
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Load the model, then serve until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from pagedllm.entrypoints.cli.serve import make_engine
+
+    class DrainingServer(uvicorn.Server):
+        """On shutdown uvicorn waits for open connections, then cancels them mid-response. Drain the
+        engine first instead: stop listening, let in-flight requests finish for up to the timeout and end
+        the rest with an in-band error, so that every client gets a complete response."""
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            for server in self.servers:
+                server.close()
+            await async_engine.shutdown(timeout=args.shutdown_timeout)
+            await super().shutdown(sockets=sockets)
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    engine = make_engine(args)
+    async_engine = AsyncEngine(engine)
+    name = args.served_model_name or args.model
+    app = build_app(
+        async_engine,
+        served_model_names=[name],
+        api_key=args.api_key,
+        model_root=args.model,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+    logger.info("serving %s on http://%s:%d", name, args.host, args.port)
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+    )
+    DrainingServer(config).run()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pagedllm.entrypoints.cli.serve import add_arguments
+
+    parser = argparse.ArgumentParser(prog="python -m pagedllm.entrypoints.openai.server")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_server(args)
+    except InputError as e:
+        sys.stderr.write(f"pagedllm serve: error: {e}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

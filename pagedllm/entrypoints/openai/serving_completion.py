@@ -1,0 +1,231 @@
+"""POST /v1/completions: one or a batch of prompts (text or token ids), streamed or not.
+
+Each prompt is one engine request with params.n choices; choice `i` of prompt `p` gets index p * n + i
+in the response, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.engine.async_engine import EngineClosedError, RequestFailedError
+from pagedllm.entrypoints.openai import OpenAIServing, last_outputs, merge_streams
+from pagedllm.entrypoints.openai.errors import error_body
+from pagedllm.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+    dump_sse,
+    random_id,
+)
+from pagedllm.errors import InputError
+
+
+@dataclass
+class _Prompt:
+    token_ids: list[int]
+    text: str | None  # what echo repeats; None until needed for token-id prompts
+
+
+@dataclass
+class _ChoiceState:
+    """What a streamed choice has sent so far, so each chunk carries only the new part."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0  # for logprobs.text_offset
+    echoed: bool = False
+    finished: bool = False
+    logprobs: CompletionLogProbs = field(default_factory=CompletionLogProbs)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
+        p = request.prompt
+        if isinstance(p, str):
+            raw: list[str | list[int]] = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            raw = [list(p)]  # type: ignore[arg-type]
+        else:
+            raw = list(p)  # type: ignore[arg-type]
+        if not raw:
+            raise InputError("prompt must not be empty", param="prompt")
+        prompts = []
+        for item in raw:
+            if isinstance(item, str):
+                prompts.append(_Prompt(self.tokenizer.encode(item), item))
+            else:
+                self.check_token_ids(item, "prompt")
+                prompts.append(_Prompt(list(item), None))
+        return prompts
+
+    def _echo_text(self, prompt: _Prompt, request: CompletionRequest) -> str:
+        if prompt.text is None:
+            prompt.text = self.tokenizer.decode(
+                prompt.token_ids, skip_special_tokens=request.skip_special_tokens
+            )
+        return prompt.text
+
+    async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+        self.check_model(request.model)
+        if request.suffix:
+            raise InputError("suffix is not supported", param="suffix")
+        prompts = self._prompts(request)
+        # One SamplingParams for the batch: a default max_tokens follows the longest prompt.
+        longest = max(len(p.token_ids) for p in prompts)
+        max_tokens = self.resolve_max_tokens(longest, request.max_tokens, "prompt")
+        params = request.make_sampling_params(max_tokens, request.logprobs)
+        self.check_context(longest, params, "max_tokens")
+
+        request_id = random_id("cmpl")
+        streams = await self.add_requests(request_id, [p.token_ids for p in prompts], params)
+        if request.stream:
+            return self._stream(request, request_id, prompts, streams)
+        try:
+            finals = await last_outputs(streams)
+        finally:
+            for stream in streams:
+                stream.close()
+        return self._response(request, request_id, prompts, finals)
+
+    # ------------------------------------------------------------------ logprobs
+
+    def _append_logprobs(
+        self,
+        lp: CompletionLogProbs,
+        token_ids: list[int],
+        logprobs: list[dict[int, Any]],
+        num_top: int,
+        offset: int,
+    ) -> int:
+        """Add one entry per token to `lp`; returns the text offset after them."""
+        for token_id, candidates in zip(token_ids, logprobs):
+            sampled = candidates.get(token_id)
+            token = self.decode_token(token_id, sampled)
+            ranked = sorted(candidates.items(), key=lambda kv: -kv[1].logprob)[:num_top]
+            top = {self.decode_token(t, c): c.logprob for t, c in ranked}
+            if sampled is not None:
+                top.setdefault(token, sampled.logprob)
+            lp.tokens.append(token)
+            lp.token_logprobs.append(sampled.logprob if sampled is not None else None)
+            lp.top_logprobs.append(top)
+            lp.text_offset.append(offset)
+            offset += len(token)
+        return offset
+
+    def _append_prompt_logprobs(self, lp: CompletionLogProbs, prompt: _Prompt) -> int:
+        """echo + logprobs: the prompt tokens are listed without logprobs (we do not compute them)."""
+        offset = 0
+        for token_id in prompt.token_ids:
+            token = self.decode_token(token_id)
+            lp.tokens.append(token)
+            lp.token_logprobs.append(None)
+            lp.top_logprobs.append(None)
+            lp.text_offset.append(offset)
+            offset += len(token)
+        return offset
+
+    # ------------------------------------------------------------------ non-streaming
+
+    def _response(
+        self, request: CompletionRequest, request_id: str, prompts: list[_Prompt], finals: list[Any]
+    ) -> CompletionResponse:
+        n = request.n
+        choices = []
+        completion_tokens = 0
+        for p_idx, (prompt, final) in enumerate(zip(prompts, finals)):
+            for out in final.outputs:
+                completion_tokens += len(out.token_ids)
+                text = out.text
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = CompletionLogProbs()
+                    offset = self._append_prompt_logprobs(logprobs, prompt) if request.echo else 0
+                    self._append_logprobs(
+                        logprobs, out.token_ids, out.logprobs or [], request.logprobs, offset
+                    )
+                if request.echo:
+                    text = self._echo_text(prompt, request) + text
+                choices.append(
+                    CompletionResponseChoice(
+                        index=p_idx * n + out.index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=out.finish_reason or "stop",
+                    )
+                )
+        choices.sort(key=lambda c: c.index)
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        usage = UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
+
+    # ------------------------------------------------------------------ streaming
+
+    async def _stream(
+        self, request: CompletionRequest, request_id: str, prompts: list[_Prompt], streams: list
+    ) -> AsyncIterator[str]:
+        n = request.n
+        states: dict[int, _ChoiceState] = {}
+        completion_tokens = 0
+        try:
+            async for p_idx, output in merge_streams(streams):
+                chunks = []
+                for out in output.outputs:
+                    index = p_idx * n + out.index
+                    state = states.setdefault(index, _ChoiceState())
+                    if state.finished:
+                        continue
+                    token_ids = list(out.token_ids)
+                    new_ids = token_ids[state.num_tokens :]
+                    delta = out.text[state.text_len :]
+                    lp = None
+                    if request.logprobs is not None:
+                        lp = CompletionLogProbs()
+                        if request.echo and not state.echoed:
+                            state.text_offset = self._append_prompt_logprobs(lp, prompts[p_idx])
+                        new_lps = (out.logprobs or [])[state.num_tokens : len(token_ids)]
+                        state.text_offset = self._append_logprobs(
+                            lp, new_ids, new_lps, request.logprobs, state.text_offset
+                        )
+                    if request.echo and not state.echoed:
+                        delta = self._echo_text(prompts[p_idx], request) + delta
+                        state.echoed = True
+                    finish = out.finish_reason or ("stop" if output.finished else None)
+                    completion_tokens += len(new_ids)
+                    state.num_tokens = len(token_ids)
+                    state.text_len = len(out.text)
+                    if not delta and not finish and not (lp and lp.tokens):
+                        continue  # nothing new to say (e.g. a token still mid-UTF-8)
+                    state.finished = finish is not None
+                    chunks.append(
+                        CompletionResponseChoice(index=index, text=delta, logprobs=lp, finish_reason=finish)
+                    )
+                for choice in chunks:  # one event per choice, like vLLM
+                    chunk = CompletionStreamResponse(id=request_id, model=self.model_name, choices=[choice])
+                    yield dump_sse(chunk)
+            if request.include_usage:
+                prompt_tokens = sum(len(p.token_ids) for p in prompts)
+                usage = UsageInfo(
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion_tokens,
+                    total_tokens=prompt_tokens + completion_tokens,
+                )
+                yield dump_sse(
+                    CompletionStreamResponse(id=request_id, model=self.model_name, choices=[], usage=usage)
+                )
+        except (RequestFailedError, EngineClosedError) as e:
+            # Headers are already sent: report the failure in-band, like vLLM.
+            yield dump_sse(error_body(str(e), 500))
+        finally:
+            for stream in streams:
+                stream.close()  # no-op when finished; aborts on client disconnect (cancellation)
+        yield "data: [DONE]\n\n"

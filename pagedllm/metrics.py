@@ -1,0 +1,129 @@
+"""Prometheus metrics of the server, named like vLLM's (`pagedllm:` instead of `vllm:`).
+
+Two sources:
+- engine stats (running/waiting requests, KV blocks, prefix-cache and preemption counts) are read at
+  scrape time from the snapshot AsyncEngine refreshes after each step: a custom collector, so the
+  values are never stale and never need the engine itself (which only the loop thread may touch);
+- per-request events (tokens, latencies, finish reasons) are recorded by the engine loop thread
+  through on_output / on_abort. prometheus_client's metrics are thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "pagedllm:"
+
+# The `*_created` timestamp series double the output and nobody graphs them (vLLM drops them too).
+disable_created_metrics()
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
+
+
+class _EngineStatsCollector(Collector):
+    """Turns the latest EngineStats snapshot into gauges and (cumulative) counters at scrape time."""
+
+    def __init__(self, get_stats: Callable[[], Any]):
+        self.get_stats = get_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.get_stats()
+
+        def value(name: str) -> float:
+            return float(getattr(stats, name, 0) or 0) if stats is not None else 0.0
+
+        gauges = [
+            ("num_requests_running", "Requests in the running batch.", "num_running"),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+            ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", "kv_cache_usage"),
+            ("kv_cache_blocks_total", "KV-cache blocks in the pool.", "num_blocks_total"),
+            ("kv_cache_blocks_free", "KV-cache blocks free to allocate.", "num_free_blocks"),
+        ]
+        for name, doc, attr in gauges:
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value(attr))
+        counters = [
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+            ("num_preemptions", "Requests preempted to free KV-cache blocks.", "num_preemptions"),
+        ]
+        for name, doc, attr in counters:
+            yield CounterMetricFamily(PREFIX + name, doc, value=value(attr))
+
+
+class ServerMetrics:
+    """One CollectorRegistry per server (so tests can run several in one process)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, get_stats: Callable[[], Any] | None = None):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Finished completions (one per choice), by finish reason.",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Arrival to first generated token.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between two consecutive outputs of a request.",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Arrival to finish of a request.",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        for reason in ("stop", "length", "abort"):  # show zeros before the first request
+            self.request_success.labels(finished_reason=reason)
+        if get_stats is not None:
+            self.attach_engine_stats(get_stats)
+
+    def attach_engine_stats(self, get_stats: Callable[[], Any]) -> None:
+        self.registry.register(_EngineStatsCollector(get_stats))
+
+    # Called by AsyncEngine on its loop thread. `timing` is that request's _RequestTiming *before*
+    # this output is accounted (so num_outputs == 0 means this is the first output).
+    def on_output(self, output: Any, new_tokens: int, timing: Any, now: float) -> None:
+        if timing.num_outputs == 0:
+            self.prompt_tokens.inc(len(output.prompt_token_ids or []))
+        if new_tokens > 0:
+            self.generation_tokens.inc(new_tokens)
+            if timing.first_token is None:
+                self.ttft.observe(now - timing.arrival)
+            else:
+                self.itl.observe(now - timing.last_token)
+        if output.finished:
+            self.e2e.observe(now - timing.arrival)
+            for choice in output.outputs:
+                self.request_success.labels(finished_reason=choice.finish_reason or "abort").inc()
+
+    def on_abort(self, request_id: str) -> None:
+        self.request_success.labels(finished_reason="abort").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
