@@ -18,8 +18,8 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.errors import InputError
-from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.model.loader import load_checkpoint, resolve_model_path
+from pagedllm.model.build import build_model
+from pagedllm.model.loader import resolve_model_path
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -106,6 +106,7 @@ class LLMEngine:
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         kv_cache_dtype: str = "auto",
+        quantization: str | None = None,
         seed: int = 0,
         show_progress: bool = True,
     ):
@@ -114,12 +115,10 @@ class LLMEngine:
         self.dtype = resolve_dtype(dtype)
         torch.manual_seed(seed)
         path = resolve_model_path(model)
-        ckpt = load_checkpoint(path, show_progress=show_progress)
         self.model_path = path
-        self.model_config = cfg = ckpt.config
+        self.model, self.model_config = build_model(path, self.dtype, quantization, show_progress)
+        cfg = self.model_config
         self.tokenizer = Tokenizer.from_checkpoint(path)
-        self.model = LlamaForCausalLM.from_weights(cfg, ckpt.weights, self.dtype)
-        del ckpt
 
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         kv_dtype_bytes = torch.tensor([], dtype=self._kv_dtype(kv_cache_dtype)).element_size()

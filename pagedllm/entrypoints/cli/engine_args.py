@@ -35,6 +35,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
     g.add_argument("--kv-cache-dtype", default="auto", help="KV cache element type: auto, bf16, fp16, fp32")
+    g.add_argument("--quantization", default=None, help="quantize the weights at load: int8 or int4 (RTN)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -49,4 +50,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
     )

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 from typing import Any
 
 from pagedllm.entrypoints.cli.engine_args import add_engine_args
 from pagedllm.entrypoints.cli.engine_args import engine_kwargs as shared_engine_kwargs
-from pagedllm.errors import InputError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,10 +25,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests get to finish on shutdown before they are aborted (default: 10)",
     )
     add_engine_args(parser)
-    try:  # not (yet) a shared engine option; passed on only when given
-        parser.add_argument("--quantization", default=None, help="weight quantization method")
-    except argparse.ArgumentError:
-        pass
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -48,8 +42,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """LLMEngine keywords for the options that have a value (None = keep the engine's default)."""
     kwargs = {k: v for k, v in shared_engine_kwargs(args).items() if v is not None}
-    if getattr(args, "quantization", None) is not None:
-        kwargs.setdefault("quantization", args.quantization)
     kwargs.setdefault("show_progress", False)  # a server logs; no progress bars
     return kwargs
 
@@ -57,17 +49,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def make_engine(args: argparse.Namespace) -> Any:
     from pagedllm.engine.llm_engine import LLMEngine
 
-    kwargs = engine_kwargs(args)
-    # An option this engine does not take: one clear line (exit 2) rather than a TypeError traceback.
-    signature = inspect.signature(LLMEngine)
-    params = signature.parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        if "show_progress" not in params:  # our own default, not the user's: drop it quietly
-            kwargs.pop("show_progress", None)
-        for name in kwargs:
-            if name not in params:
-                raise InputError(f"--{name.replace('_', '-')} is not supported by this engine", param=name)
-    return LLMEngine(**kwargs)
+    return LLMEngine(**engine_kwargs(args))
 
 
 def run(args: argparse.Namespace) -> int:
