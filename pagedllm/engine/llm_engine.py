@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedllm import planner
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
@@ -36,6 +37,7 @@ DTYPES = {
     "fp16": torch.float16,
     "float16": torch.float16,
 }
+TORCH_TO_PLANNER = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 DEFAULT_KV_CACHE_MEMORY = "1GiB"
 
 
@@ -121,8 +123,10 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_checkpoint(path)
 
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        kv_dtype_bytes = torch.tensor([], dtype=self._kv_dtype(kv_cache_dtype)).element_size()
-        block_bytes = 2 * cfg.num_layers * block_size * cfg.kv_width * kv_dtype_bytes
+        kv_dtype = TORCH_TO_PLANNER[self._kv_dtype(kv_cache_dtype)]
+        block_bytes = planner.block_bytes(
+            block_size, planner.kv_bytes_per_token(cfg.num_layers, cfg.kv_width, kv_dtype)
+        )
         if num_kv_blocks is None:
             memory = parse_size(kv_cache_memory if kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY)
             num_kv_blocks = memory // block_bytes
