@@ -1,23 +1,88 @@
-"""From a checkpoint path to a ready model: load weights, build the decoder, quantize if asked."""
+"""From a checkpoint path to a ready model: load weights, build the decoder, quantize if asked.
+
+quantization:
+  None        the checkpoint's weights in `dtype` (a GGUF is dequantized: exactness tests rely on it);
+              a folder written by `pagedllm quantize` loads its quantized layers as they are
+  "int8"      RTN at load, INT8 per output channel
+  "int4"      RTN at load, INT4 group-wise along the input, group 32 ("int4-g64", "int4-g128" for others)
+  "gguf"      a GGUF file's Q4_0 / Q4_1 / Q8_0 linears served from their own blocks (quantization/gguf_native.py)
+"""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from pagedllm.config import ModelConfig
+from pagedllm.errors import InputError
 from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.loader import load_checkpoint
+
+logger = logging.getLogger(__name__)
+
+# name -> (bits, group size along the input; None = per output channel)
+RTN_SCHEMES: dict[str, tuple[int, int | None]] = {
+    "int8": (8, None),
+    "int4": (4, 32),
+    "int4-g32": (4, 32),
+    "int4-g64": (4, 64),
+    "int4-g128": (4, 128),
+}
+QUANTIZATION_CHOICES = (*RTN_SCHEMES, "gguf")
+
+
+def check_quantization(quantization: str | None) -> None:
+    if quantization is not None and quantization not in QUANTIZATION_CHOICES:
+        raise InputError(
+            f"quantization {quantization!r} is not supported; use one of {', '.join(QUANTIZATION_CHOICES)} "
+            "(or leave it unset)",
+            param="quantization",
+        )
 
 
 def build_model(
     path: Path, dtype: torch.dtype, quantization: str | None = None, show_progress: bool = True
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    ckpt = load_checkpoint(path, show_progress=show_progress)
-    model = LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, dtype)
-    if quantization is not None:
-        from pagedllm.errors import InputError
+    check_quantization(quantization)
+    from pagedllm.quantization.checkpoint import load_quantized, read_quantization_config
+    from pagedllm.quantization.model import resident_weight_bytes
 
-        raise InputError(f"quantization {quantization!r} is not supported yet", param="quantization")
-    return model, ckpt.config
+    if Path(path).is_dir() and read_quantization_config(path) is not None:
+        if quantization is not None:
+            raise InputError(
+                f"{path} is already quantized; load it without quantization={quantization!r}",
+                param="quantization",
+            )
+        model, config = load_quantized(path, dtype, show_progress)
+    else:
+        ckpt = load_checkpoint(path, show_progress=show_progress, keep_quantized=quantization == "gguf")
+        config = ckpt.config
+        model = LlamaForCausalLM.from_weights(config, ckpt.weights, dtype)
+        if quantization == "gguf":
+            if ckpt.format != "gguf":
+                raise InputError(
+                    f"quantization='gguf' needs a GGUF file; {path} is a {ckpt.format} checkpoint",
+                    param="quantization",
+                )
+            from pagedllm.quantization.gguf_native import serve_gguf_natively
+
+            del ckpt.weights  # float copies of what is about to be replaced
+            served = serve_gguf_natively(model, ckpt.gguf_tensors or {}, config, pack=dtype == torch.bfloat16)
+            logger.info("GGUF: %d linear layers served from their blocks", len(served))
+        elif quantization is not None:
+            from pagedllm.quantization.model import quantize_model
+
+            bits, group_size = RTN_SCHEMES[quantization]
+            # quantize the checkpoint's float32 weights, not their dtype-rounded copies in the model
+            quantize_model(model, bits, group_size, show_progress=show_progress, source_weights=ckpt.weights)
+    if quantization is not None or any(True for _ in _quant_layers(model)):
+        logger.info("resident weights: %.1f MiB", resident_weight_bytes(model) / 2**20)
+    return model, config
+
+
+def _quant_layers(model: torch.nn.Module):
+    from pagedllm.quantization.linear import QuantLinear
+
+    return (m for m in model.modules() if isinstance(m, QuantLinear))

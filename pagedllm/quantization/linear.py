@@ -1,0 +1,237 @@
+"""QuantLinear: a weight-only quantized nn.Linear (codes + scales + zero points), served on torch's CPU kernels.
+
+Stored form (buffers, the portable truth; `state_dict` holds exactly these):
+    qweight  uint8 [out, in / 2] for bits <= 4 (two codes a byte, pack.py's layout); int8 [out, in] holding
+             q - 128 for bits 8 (what the INT8 kernel reads: one copy, not two); else uint8 [out, in]
+    scales   float32 [out, groups]      groups = in / group_size (1 for per-channel)
+    mins     float32 [out, groups]      w = scales * q + mins  (mins = -s * z for uniform.py's quantizer)
+The affine form w = s*q + m (rather than s*(q - z)) also holds GGUF's Q4_1, whose min is not a whole
+number of steps; uniform.py's integer zero point comes back as z = -m / s (checkpoint.py does that).
+
+Kernel layouts (plain attributes, built by `pack()` for bf16 activations; never saved):
+  INT4, group 32/64/128/256: `_weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)` computes
+      w = (q - 8) * scale + zero   per group,   so scale = s and zero = m + 8 s   reproduce w = s*q + m.
+  INT8 per channel: `_weight_int8pack_mm(x, q8, s)` is symmetric (w = s * q8, q8 int8). With q8 = q - 128:
+      x @ w^T = s * (x @ q8^T) + (sum_k x_k) * (m + 128 s)
+  The kernel runs with unit scales (x @ q8^T, rounded to bf16 once) and s and the correction are applied
+  in fp32, so the only rounding besides the output's is that of x @ q8^T.
+The INT4 kernel takes its scales in the activation dtype, so s and zero are rounded to bf16 there: it
+reproduces s*q + m to bf16 precision (the same precision as a bf16 weight), not bit for bit.
+
+When each path runs (see KERNEL_MAX_ROWS): the packed kernels dequantize the weight again for every row
+(their time grows linearly with rows), while one bf16 GEMM reuses the weight across rows. So up to
+KERNEL_MAX_ROWS rows the kernel runs; above it, and for fp32/fp16 activations, other bit widths, INT8
+group-wise (GGUF Q8_0) and shapes the kernels refuse, the weight is dequantized for that call (float32
+math, one rounding to the activation dtype) and multiplied with F.linear. No dequantized copy is kept.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.errors import InputError
+from pagedllm.quantization.pack import pack_int4, unpack_int4
+from pagedllm.quantization.uniform import QuantizedTensor
+
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 7, 8)
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)  # the group sizes _weight_int4pack_mm_for_cpu accepts
+# Rows at or below which each packed kernel runs (else: dequantize + bf16 GEMM). Measured on this machine
+# (AVX-512 BF16/AMX, 1 thread, medians, default-model shapes 576x576 / 1536x576 / 576x1536): both kernels
+# cost ~8-20 us a row (the INT8 one a little more, plus the zero-point correction), the dequantize path
+# ~0.45-1.4 ms plus ~1-3 us a row. INT4 crosses near 64 rows, INT8 near 32-64.
+KERNEL_MAX_ROWS = {"int4": 64, "int8": 48}
+
+
+def check_layer_shape(name: str, in_features: int, bits: int, group_size: int | None) -> None:
+    if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
+        raise InputError(
+            f"layer {name or '?'}: bits {bits!r} is not supported by QuantLinear; use one of "
+            f"{', '.join(map(str, SUPPORTED_BITS))}",
+            param="bits",
+        )
+    if group_size is None:
+        return
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise InputError(
+            f"layer {name or '?'}: group_size must be a whole number >= 1, got {group_size!r}",
+            param="group_size",
+        )
+    if in_features % group_size:
+        raise InputError(
+            f"layer {name or '?'}: group_size {group_size} does not divide in_features {in_features}",
+            param="group_size",
+        )
+
+
+class QuantLinear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bits: int,
+        group_size: int | None,
+        bias: bool = False,
+        name: str = "",
+    ):
+        super().__init__()
+        check_layer_shape(name, in_features, bits, group_size)
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size, self.name = bits, group_size, name
+        groups = 1 if group_size is None else in_features // group_size
+        width = (in_features + 1) // 2 if bits <= 4 else in_features
+        qdtype = torch.int8 if bits == 8 else torch.uint8
+        self.register_buffer("qweight", torch.zeros(out_features, width, dtype=qdtype))
+        self.register_buffer("scales", torch.ones(out_features, groups))
+        self.register_buffer("mins", torch.zeros(out_features, groups))
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+        self._kernel: str | None = None  # "int4" / "int8" once pack() built a layout
+        self._packed: tuple[torch.Tensor, ...] = ()
+
+    # ---- construction ---------------------------------------------------------------------------------
+    @classmethod
+    def from_codes(
+        cls,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor,
+        bits: int,
+        group_size: int | None,
+        bias: torch.Tensor | None = None,
+        name: str = "",
+    ) -> QuantLinear:
+        """codes uint8 [out, in] in 0..2^bits-1; scales/mins [out, groups]: w = scales * q + mins."""
+        out_features, in_features = codes.shape
+        layer = cls(in_features, out_features, bits, group_size, bias is not None, name)
+        groups = layer.scales.shape[1]
+        if tuple(scales.shape) != (out_features, groups) or tuple(mins.shape) != (out_features, groups):
+            raise InputError(
+                f"layer {name or '?'}: scales {tuple(scales.shape)} / mins {tuple(mins.shape)} must be "
+                f"[{out_features}, {groups}] for group_size {group_size}",
+                param="scales",
+            )
+        codes = codes.to(torch.uint8)
+        if bits <= 4:
+            layer.qweight = pack_int4(codes)
+        elif bits == 8:
+            layer.qweight = (codes.to(torch.int16) - 128).to(torch.int8)
+        else:
+            layer.qweight = codes.contiguous()
+        layer.scales = scales.to(torch.float32).contiguous()
+        layer.mins = mins.to(torch.float32).contiguous()
+        if bias is not None:
+            layer.bias = bias.detach().to(torch.float32).clone()
+        return layer
+
+    @classmethod
+    def from_quantized(
+        cls, qt: QuantizedTensor, bias: torch.Tensor | None = None, name: str = ""
+    ) -> QuantLinear:
+        """From uniform.py's output for a [out, in] weight: per channel (axis 0) or group-wise along in."""
+        if qt.codes.dim() != 2:
+            raise InputError(f"layer {name or '?'}: expected a 2-D weight, got {qt.codes.dim()}-D", "qt")
+        out_features, in_features = qt.codes.shape
+        if qt.group_size is None and qt.axis == 0:
+            group_size = None
+        elif qt.group_size is not None and qt.axis == 1:
+            group_size = qt.group_size
+        else:
+            raise InputError(
+                f"layer {name or '?'}: needs per-channel (axis=0) or group-wise along the input (axis=1) "
+                f"codes, got axis={qt.axis}, group_size={qt.group_size}",
+                param="qt",
+            )
+        scale = qt.scale.reshape(out_features, -1).to(torch.float64)
+        z = qt.zero_point.reshape(out_features, -1).to(torch.float64)
+        # m = -s*z rounded once (float64 holds s*z exactly); checkpoint.py recovers z = round(-m / s).
+        return cls.from_codes(qt.codes, scale.float(), (-scale * z).float(), qt.bits, group_size, bias, name)
+
+    # ---- what is stored ---------------------------------------------------------------------------------
+    @property
+    def groups(self) -> int:
+        return self.scales.shape[1]
+
+    def codes(self) -> torch.Tensor:
+        """The codes as uint8 [out, in]."""
+        if self.bits <= 4:
+            return unpack_int4(self.qweight, self.in_features)
+        if self.bits == 8:
+            return (self.qweight.to(torch.int16) + 128).to(torch.uint8)
+        return self.qweight
+
+    def portable_qweight(self) -> torch.Tensor:
+        """The codes as checkpoint.py stores them: pack.py's nibbles for bits <= 4, else uint8 [out, in]."""
+        return self.qweight if self.bits <= 4 else self.codes()
+
+    def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """w = s*q + m computed in float32, then rounded once to `dtype` (bit-exact in float32 for GGUF's
+        fp16 scales). Computing in bf16 would be ~2.5x faster but rounds q*s and the sum separately, and
+        m can be much larger than w: measured 2-3x the error of a bf16 weight, so it is not done."""
+        q = self.codes().view(self.out_features, self.groups, -1).float()
+        w = q.mul_(self.scales.unsqueeze(-1)).add_(self.mins.unsqueeze(-1))
+        return w.reshape(self.out_features, self.in_features).to(dtype)
+
+    def weight_bytes(self) -> int:
+        """Resident bytes: the stored buffers plus the kernel layout when packed."""
+        tensors = [self.qweight, self.scales, self.mins, *self._packed]
+        if self.bias is not None:
+            tensors.append(self.bias)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # ---- kernels ---------------------------------------------------------------------------------------
+    def kernel_kind(self) -> str | None:
+        """Which packed kernel this layer's shape allows (None: dequantize path only)."""
+        if self.bits == 4 and self.group_size in INT4_KERNEL_GROUPS and self.out_features % 16 == 0:
+            return "int4"
+        if self.bits == 8 and self.group_size is None:
+            return "int8"
+        return None
+
+    def pack(self) -> None:
+        """Build the bf16 kernel layout from the stored form (idempotent)."""
+        kind = self.kernel_kind()
+        if kind is None or self._kernel is not None:
+            return
+        if kind == "int4":
+            q = self.codes().to(torch.int32)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+            zero = self.mins + 8 * self.scales  # the kernel's zero is the value at code 8
+            sz = torch.stack((self.scales, zero), dim=-1).transpose(0, 1).contiguous()  # [groups, out, 2]
+            self._packed = (packed, sz.to(torch.bfloat16))
+        else:  # qweight already holds q - 128 as int8
+            ones = torch.ones(self.out_features, dtype=torch.bfloat16)
+            corr = (self.mins + 128 * self.scales).reshape(-1)  # per channel, kept in fp32
+            self._packed = (ones, corr)
+        self._kernel = kind
+
+    def _kernel_mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel == "int4":
+            packed, sz = self._packed
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, self.group_size, sz)
+        ones, corr = self._packed
+        y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, ones).float() * self.scales.reshape(-1)
+        return torch.addcmul(y, x.float().sum(dim=1, keepdim=True), corr).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        kind = self.kernel_kind() if x.dtype == torch.bfloat16 else None
+        use_kernel = kind is not None and x2.shape[0] <= KERNEL_MAX_ROWS[kind]
+        if use_kernel:
+            if self._kernel is None:
+                self.pack()
+            y = self._kernel_mm(x2.contiguous())
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
+        else:
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            y = F.linear(x2, self.dequantize_weight(x.dtype), bias)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        g = "per-channel" if self.group_size is None else f"group_size={self.group_size}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, {g}, "
+            f"kernel={self.kernel_kind()}"
+        )

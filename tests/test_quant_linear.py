@@ -1,0 +1,165 @@
+"""QuantLinear: packed CPU kernels vs dequantize-then-matmul, the dequantize path, GGUF blocks, bad input."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from pagedllm.config import ModelConfig
+from pagedllm.errors import InputError
+from pagedllm.model.loader.gguf import unpermute_qk
+from pagedllm.quantization.gguf_native import decode_blocks, gguf_quant_linear
+from pagedllm.quantization.linear import KERNEL_MAX_ROWS, QuantLinear
+from pagedllm.quantization.model import quantize_model
+from pagedllm.quantization.rtn import rtn_quantize_weight
+from pagedllm.quantization.uniform import dequantize
+
+
+def weight(out_f: int, in_f: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # a per-row offset, so zero points sit away from the middle code (the kernels' zero terms matter)
+    return torch.randn(out_f, in_f, generator=g) / in_f**0.5 + 0.02 * torch.randn(out_f, 1, generator=g)
+
+
+def activations(rows: int, in_f: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, in_f, generator=g).to(torch.bfloat16)
+
+
+def assert_bf16_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y should be x @ w^T (w float32) as well as bf16 allows: measured against what a plain bf16 layer
+    (the weight rounded to bf16) gets wrong on the same input, its error may be at most about twice that."""
+    ref = x.float() @ w.T
+    plain = F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16)).float()
+    err, err_plain = (y.float() - ref).abs(), (plain - ref).abs()
+    assert err.mean() <= 2 * err_plain.mean() + 1e-6, (err.mean(), err_plain.mean())
+    assert err.max() <= 4 * err_plain.max() + 1e-6, (err.max(), err_plain.max())
+
+
+SCHEMES = [(4, 32), (4, 64), (4, 128), (8, None)]
+
+
+@pytest.mark.parametrize("bits,group_size", SCHEMES)
+@pytest.mark.parametrize("rows", [1, 3, 16, 64])
+def test_packed_kernel_equals_dequantize_reference(bits, group_size, rows):
+    w = weight(192, 512)
+    layer = QuantLinear.from_quantized(rtn_quantize_weight(w, bits, group_size))
+    layer.pack()
+    assert layer._kernel == ("int4" if bits == 4 else "int8")
+    x = activations(rows, 512)
+    w_hat = layer.dequantize_weight(torch.float32)  # s*q + m exactly
+    assert_bf16_close(layer._kernel_mm(x), x, w_hat)
+    assert_bf16_close(layer(x), x, w_hat)
+
+
+@pytest.mark.parametrize("bits,group_size", SCHEMES)
+def test_rows_above_threshold_take_dequantize_path(bits, group_size):
+    layer = QuantLinear.from_quantized(rtn_quantize_weight(weight(64, 256), bits, group_size))
+    rows = KERNEL_MAX_ROWS["int4" if bits == 4 else "int8"] + 1
+    x = activations(rows, 256)
+    expected = F.linear(x, layer.dequantize_weight(torch.bfloat16))
+    assert torch.equal(layer(x), expected)
+
+
+def test_dequantize_weight_is_the_quantizers_dequantize():
+    w = weight(48, 96)
+    for bits, g in [(2, 32), (3, 32), (4, 32), (5, None), (7, 48), (8, None), (8, 32)]:
+        qt = rtn_quantize_weight(w, bits, g)
+        layer = QuantLinear.from_quantized(qt)
+        assert torch.equal(layer.codes(), qt.codes)
+        torch.testing.assert_close(layer.dequantize_weight(), dequantize(qt), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("bits,group_size", [(3, 32), (8, 32), (6, None)])
+def test_other_widths_run_the_dequantize_path(bits, group_size):
+    layer = QuantLinear.from_quantized(rtn_quantize_weight(weight(64, 128), bits, group_size))
+    assert layer.kernel_kind() is None
+    x = activations(4, 128)
+    assert_bf16_close(layer(x), x, layer.dequantize_weight())
+
+
+def test_fp32_activations_are_exact_and_bias_is_added():
+    w, b = weight(32, 64), torch.randn(32)
+    layer = QuantLinear.from_quantized(rtn_quantize_weight(w, 4, 32), bias=b)
+    x = torch.randn(5, 2, 64)
+    ref = F.linear(x, layer.dequantize_weight(), b)
+    torch.testing.assert_close(layer(x), ref, rtol=1e-6, atol=1e-6)
+    xb = x.to(torch.bfloat16)
+    assert_bf16_close(layer(xb).reshape(10, 32) - b, xb.reshape(10, 64), layer.dequantize_weight())
+
+
+def test_weight_bytes():
+    w = weight(128, 256)
+    int8 = QuantLinear.from_quantized(rtn_quantize_weight(w, 8, None))
+    int8.pack()
+    # int8 codes once (the kernel reads them in place) + fp32 scale/min + bf16 unit scales + fp32 correction
+    assert int8.weight_bytes() == 128 * 256 + 128 * (4 + 4 + 2 + 4)
+    int4 = QuantLinear.from_quantized(rtn_quantize_weight(w, 4, 32))
+    stored = 128 * 128 + 2 * 128 * 8 * 4
+    assert int4.weight_bytes() == stored
+    int4.pack()  # + the kernel's own nibble layout and bf16 (scale, zero) pairs
+    assert int4.weight_bytes() == stored + 128 * 128 + 8 * 128 * 2 * 2
+
+
+def test_bad_bits_and_group_size_raise_input_error():
+    with pytest.raises(InputError, match="bits"):
+        QuantLinear(64, 64, bits=9, group_size=None)
+    with pytest.raises(InputError, match=r"mlp\.down_proj.*group_size 100.*in_features 576"):
+        QuantLinear(576, 64, bits=4, group_size=100, name="model.layers.0.mlp.down_proj")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 16))
+    with pytest.raises(InputError, match=r"^layer 1: group_size 64 does not divide in_features 32"):
+        quantize_model(model, bits=4, group_size=64)
+    assert all(isinstance(m, torch.nn.Linear) for m in model)  # checked before anything was replaced
+
+
+# ---- GGUF blocks ---------------------------------------------------------------------------------------
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def gguf_blocks(type_name: str, rows: int = 64, cols: int = 128):
+    w = weight(rows, cols, seed=3).numpy()
+    w[0, :32] = 0.25  # a constant block (Q4_1: d = 0)
+    qtype = GGMLQuantizationType[type_name]
+    raw = gguf_quantize(w, qtype)
+    return raw, gguf_dequantize(raw, qtype).reshape(rows, cols)
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_gguf_blocks_dequantize_bit_exactly(type_name):
+    raw, ref = gguf_blocks(type_name)
+    codes, scales, mins, bits = decode_blocks(type_name, raw, ref.shape)
+    layer = QuantLinear.from_codes(codes, scales, mins, bits, 32)
+    assert torch.equal(layer.dequantize_weight(torch.float32), torch.from_numpy(ref))
+
+
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+@pytest.mark.parametrize("rows", [1, 8, 100])
+def test_gguf_layer_output_equals_dequantized_layer(type_name, rows):
+    raw, ref = gguf_blocks(type_name)
+    codes, scales, mins, bits = decode_blocks(type_name, raw, ref.shape)
+    layer = QuantLinear.from_codes(codes, scales, mins, bits, 32)
+    layer.pack()
+    assert layer._kernel == ("int4" if bits == 4 else None)  # Q8_0: per-block scales, no INT8 kernel
+    x = activations(rows, 128)
+    assert_bf16_close(layer(x), x, torch.from_numpy(ref))
+
+
+def test_gguf_q_k_rows_are_unpermuted():
+    cfg = ModelConfig(
+        vocab_size=10, hidden_size=128, intermediate_size=256, num_layers=1, num_heads=4, num_kv_heads=2,
+        head_dim=32, architecture="llama",
+    )  # fmt: skip
+    for name, rows, heads in [
+        ("model.layers.0.self_attn.q_proj", 128, 4),
+        ("model.layers.0.self_attn.k_proj", 64, 2),
+    ]:
+        raw, ref = gguf_blocks("Q4_1", rows=rows)
+        layer = gguf_quant_linear(name, "Q4_1", raw, ref.shape, cfg)
+        assert torch.equal(layer.dequantize_weight(), torch.from_numpy(unpermute_qk(ref, heads).copy()))
+    raw, ref = gguf_blocks("Q4_1")
+    v = gguf_quant_linear("model.layers.0.self_attn.v_proj", "Q4_1", raw, ref.shape, cfg)
+    assert torch.equal(v.dequantize_weight(), torch.from_numpy(ref))
+    assert not np.array_equal(unpermute_qk(ref, 2), ref)  # the permutation is not the identity
