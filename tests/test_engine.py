@@ -53,10 +53,9 @@ def test_batch_equals_each_prompt_alone(llm):
     assert engine_free(llm)[0] == engine_free(llm)[1]
 
 
-def test_preemption_keeps_outputs_identical():
+def test_preemption_keeps_outputs_identical(llm):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    roomy = LLM(model="default", dtype="fp32", num_kv_blocks=512, show_progress=False)
-    expected = [o.outputs[0].token_ids for o in roomy.generate(PROMPTS[:8], params, use_tqdm=False)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:8], params, use_tqdm=False)]
     # 8 requests of up to ~60 tokens need ~30 blocks at once; 12 blocks force preemptions
     tight = LLM(
         model="default", dtype="fp32", num_kv_blocks=12, max_num_batched_tokens=64, show_progress=False
