@@ -36,8 +36,10 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Returns [T, H, hd]."""
-    out = torch.empty_like(q)
     nd = meta.num_decodes
+    if nd == meta.num_seqs:  # a pure decode step, the common case
+        return _decode(q, kv_cache, meta, scale)
+    out = torch.empty_like(q)
     if nd:
         out[:nd] = _decode(q[:nd], kv_cache, meta, scale)
     bs = meta.block_size

@@ -14,7 +14,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged import paged_attention, write_kv
 from pagedllm.config import ModelConfig
 from pagedllm.model.layers.norm import RMSNorm
-from pagedllm.model.layers.rotary import RotaryEmbedding
+from pagedllm.model.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
@@ -35,12 +35,12 @@ class LlamaAttention(nn.Module):
         )
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: AttentionMetadata):
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, -1))
@@ -66,8 +66,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -100,8 +100,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         return self.model.norm(x)
 
     @torch.inference_mode()
