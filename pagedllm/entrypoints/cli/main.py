@@ -10,7 +10,7 @@ from pagedllm import __version__
 from pagedllm.errors import InputError
 
 # name -> module under pagedllm.entrypoints.cli; each module defines add_parser() and run().
-SUBCOMMANDS = ["plan", "quant", "quantize", "generate", "chat", "bench", "serve"]
+SUBCOMMANDS = ["plan", "quant", "quantize", "generate", "chat", "bench", "serve", "eval"]
 
 
 class _Parser(argparse.ArgumentParser):

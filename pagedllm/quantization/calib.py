@@ -1,0 +1,217 @@
+"""Calibration data and the layer-by-layer driver shared by AWQ and GPTQ.
+
+Both methods quantize one decoder layer at a time (Lin et al. 2023; Frantar et al. 2022): capture what
+enters layer 0 for every calibration sample, then for each layer collect the inputs of its linears,
+quantize them, and run the *quantized* layer to get the next layer's inputs, so later layers are
+calibrated on the activations they will really see. Only one layer is ever in float32 working form.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.errors import InputError
+from pagedllm.model.layers.rotary import RotaryEmbedding
+from pagedllm.quantization.uniform import QuantizedTensor, dequantize, qparams, quantize
+
+# The linears of one Llama decoder layer, in the order data flows through them.
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
+def load_calibration(
+    path: str | Path, tokenizer, num_samples: int = 64, seq_len: int = 512, seed: int = 0
+) -> list[torch.LongTensor]:
+    """`num_samples` random, non-overlapping windows of `seq_len` tokens from a text file.
+
+    The file is tokenized once as a whole (no special tokens), cut into consecutive windows, and a seeded
+    random choice of them is returned, so the same seed always gives the same samples.
+    """
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise InputError(f"num_samples must be a whole number >= 1, got {num_samples!r}", "num_samples")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+        raise InputError(f"seq_len must be a whole number >= 2, got {seq_len!r}", "seq_len")
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"calibration file {path} does not exist", param="calib")
+    text = path.read_text(encoding="utf-8")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    available = len(ids) // seq_len
+    if available < num_samples:
+        raise InputError(
+            f"calibration file {path} gives {len(ids)} tokens = {available} windows of {seq_len}; "
+            f"{num_samples} samples need at least {num_samples * seq_len} tokens",
+            param="calib",
+        )
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randperm(available, generator=g)[:num_samples] * seq_len
+    all_ids = torch.tensor(ids, dtype=torch.long)
+    return [all_ids[s : s + seq_len].clone() for s in starts.tolist()]
+
+
+def prefill_metadata(num_tokens: int, block_size: int = 16) -> tuple[AttentionMetadata, int]:
+    """Metadata for one sequence prefilled from scratch over blocks 0..n-1; returns (meta, num_blocks)."""
+    num_blocks = -(-num_tokens // block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(num_tokens),
+        query_start_loc=[0, num_tokens],
+        seq_lens=[num_tokens],
+        block_tables=torch.arange(num_blocks).unsqueeze(0),
+        num_decodes=1 if num_tokens == 1 else 0,
+        seq_lens_tensor=torch.tensor([num_tokens]),
+        block_size=block_size,
+    )
+    return meta, num_blocks
+
+
+def run_layer(layer: nn.Module, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+    """One decoder layer on one whole sequence x [T, D], with a fresh paged KV cache of its own."""
+    attn = layer.self_attn
+    meta, num_blocks = prefill_metadata(x.shape[0])
+    cache = torch.zeros(2, num_blocks, meta.block_size, attn.num_kv_heads, attn.head_dim, dtype=x.dtype)
+    rope = rotary.cos_sin(torch.arange(x.shape[0]), x.dtype)
+    return layer(x, rope, cache, meta)
+
+
+def layer0_inputs(model: nn.Module, calib: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What enters decoder layer 0 for each sample: the token embeddings, in float32."""
+    with torch.no_grad():
+        return [model.model.embed_tokens(ids).float() for ids in calib]
+
+
+def float_rotary(model: nn.Module) -> RotaryEmbedding:
+    """The model's rotary tables in float32 (a bf16 model keeps them in bf16)."""
+    rotary = copy.deepcopy(model.rotary)
+    return rotary.float()
+
+
+def collect_inputs(
+    layer: nn.Module,
+    xs: list[torch.Tensor],
+    rotary: RotaryEmbedding,
+    names: tuple[str, ...] = LINEARS,
+    on_input: Callable[[str, torch.Tensor], None] | None = None,
+) -> dict[str, torch.Tensor] | None:
+    """Run the layer over every sample and hand each named linear's input [T, in] to on_input.
+
+    Without on_input the inputs are concatenated over samples and returned (name -> [all T, in]).
+    """
+    store: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    sink = on_input or (lambda name, x: store[name].append(x))
+    modules = dict(layer.named_modules())
+    hooks = [
+        modules[n].register_forward_hook(lambda m, args, out, n=n: sink(n, args[0].detach())) for n in names
+    ]
+    try:
+        with torch.no_grad():
+            for x in xs:
+                run_layer(layer, x, rotary)
+    finally:
+        for h in hooks:
+            h.remove()
+    return None if on_input else {n: torch.cat(v) for n, v in store.items()}
+
+
+LayerFn = Callable[[nn.Module, list[torch.Tensor], RotaryEmbedding], dict[str, QuantizedTensor]]
+
+
+def quantize_layers(
+    model: nn.Module,
+    calib: list[torch.Tensor],
+    quantize_layer: LayerFn,
+    desc: str,
+    show_progress: bool = True,
+) -> dict[str, QuantizedTensor]:
+    """The sequential driver: quantize_layer(fp32 copy of layer i, its inputs, rotary) -> {rel name: qt}.
+
+    quantize_layer may change the copy's parameters in ways that keep the float layer's function (AWQ
+    folds scales into norms and weights); those changes are written back into the model, in its dtype.
+    The model's linears keep float weights: the caller swaps in quantized linears from the result.
+    """
+    if not calib:
+        raise InputError("calibration needs at least one sample", param="calib")
+    xs = layer0_inputs(model, calib)
+    rotary = float_rotary(model)
+    out: dict[str, QuantizedTensor] = {}
+    layers = model.model.layers
+    for i, layer in enumerate(tqdm(layers, desc=desc, disable=not show_progress)):
+        work = copy.deepcopy(layer).float()
+        qts = quantize_layer(work, xs, rotary)
+        with torch.no_grad():
+            for p_model, p_work in zip(layer.parameters(), work.parameters()):
+                p_model.copy_(p_work.to(p_model.dtype))
+            # the next layer sees what the quantized layer will really produce
+            modules = dict(work.named_modules())
+            for name, qt in qts.items():
+                modules[name].weight.copy_(dequantize(qt).to(torch.float32))
+            xs = [run_layer(work, x, rotary) for x in xs]
+        out.update({f"model.layers.{i}.{name}": qt for name, qt in qts.items()})
+    return out
+
+
+def check_group_size(model: nn.Module, group_size: int | None) -> None:
+    """Fail before minutes of calibration, not at the first layer that does not divide."""
+    if group_size is None:
+        return
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise InputError(f"group_size must be a whole number >= 1, got {group_size!r}", param="group_size")
+    sizes = sorted({m.in_features for m in model.model.layers.modules() if isinstance(m, nn.Linear)})
+    bad = [n for n in sizes if n % group_size]
+    if bad:
+        raise InputError(
+            f"group_size {group_size} does not divide the linears' in_features {bad}; "
+            f"pick a divisor of {', '.join(map(str, sizes))}",
+            param="group_size",
+        )
+
+
+def weight_qparams(w: torch.Tensor, bits: int, group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) of a [out, in] weight with the data's own ranges: [out, in/g], or [out] per channel."""
+    out_f, in_f = w.shape
+    rows = w.reshape(out_f, -1, group_size or in_f)
+    s, z = qparams(rows.amin(-1), rows.amax(-1), bits)
+    return (s, z) if group_size else (s[:, 0], z[:, 0])
+
+
+def weight_tensor(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, group_size: int | None
+) -> QuantizedTensor:
+    """The QuantizedTensor layout uniform.quantize gives a weight: group-wise along in_features (axis 1),
+    or per output channel (axis 0) when group_size is None, so every method's result reads the same."""
+    return QuantizedTensor(
+        codes=codes.to(torch.uint8 if bits <= 8 else torch.int32),
+        scale=scale.float().contiguous(),
+        zero_point=zero.to(torch.int64).contiguous(),
+        bits=bits,
+        axis=1 if group_size else 0,
+        group_size=group_size,
+    )
+
+
+def quantize_weight(
+    w: torch.Tensor, bits: int, group_size: int | None, rmin=None, rmax=None
+) -> QuantizedTensor:
+    """Round-to-nearest of a [out, in] weight in the layout above; rmin/rmax clip each group's range."""
+    if group_size:
+        return quantize(w, bits, axis=1, group_size=group_size, rmin=rmin, rmax=rmax)
+    return quantize(w, bits, axis=0, rmin=rmin, rmax=rmax)
+
+
+def split_rows(qt: QuantizedTensor, sizes: list[int]) -> list[QuantizedTensor]:
+    """Cut a weight quantized as one [sum(sizes), in] matrix back into its linears (rows are independent)."""
+    parts = zip(qt.codes.split(sizes), qt.scale.split(sizes), qt.zero_point.split(sizes))
+    return [QuantizedTensor(c, s, z, qt.bits, qt.axis, qt.group_size) for c, s, z in parts]
