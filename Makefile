@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 # torch first and pinned: the CPU wheel lies on local disk; a looser spec pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test lint clean bench
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -25,6 +25,10 @@ demo: install
 
 test: install
 	$(VENV)/bin/python -m pytest -q
+
+# Regenerates docs/benchmarks.md and docs/img/*.png (scripts/bench_all.sh; 15-25 minutes on 2 cores).
+bench: install
+	bash scripts/bench_all.sh
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -19,12 +19,19 @@ def run_offline(llm, prompts: list[BenchPrompt], ignore_eos: bool = True, use_tq
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
     output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     ttfts = sorted(o.metrics.first_token_time - o.metrics.arrival_time for o in outs)
+    # per-request decode speed after the first token (single50: the single-stream decode tok/s)
+    decode = sorted(
+        (len(o.outputs[0].token_ids) - 1) / (o.metrics.finished_time - o.metrics.first_token_time)
+        for o in outs
+        if len(o.outputs[0].token_ids) > 1 and o.metrics.finished_time > o.metrics.first_token_time
+    )
     return {
         "elapsed_time": elapsed,
         "num_requests": len(outs),
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
         "median_ttft_s": ttfts[len(ttfts) // 2],
+        "decode_tokens_per_second": decode[len(decode) // 2] if decode else 0.0,
     }
 
 

@@ -1,23 +1,56 @@
-"""`pagedllm bench throughput`: measure the engine, and the tools people use today in the same run."""
+"""`pagedllm bench throughput | serve | memory`: measure the engine, and the tools people use today in the same run."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
+from pathlib import Path
 
 from pagedllm.entrypoints.cli.engine_args import add_engine_args, engine_kwargs
 from pagedllm.errors import InputError
+
+PEERS = ["hf", "llama.cpp"]
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "bench",
-        help="benchmark throughput (offline)",
-        description="Benchmarks. Figures are medians over --repeat runs.",
+        help="benchmark: offline throughput, online serving, KV-cache memory",
+        description="Benchmarks, like `vllm bench`. Figures are medians over --repeat runs.",
     )
     sub = p.add_subparsers(dest="bench_command", metavar="BENCH")
+    _add_throughput(sub)
+    _add_serve(sub)
+    _add_memory(sub)
+    p.set_defaults(run=lambda args: p.print_help() or 0)
+
+
+def _add_prompt_args(p: argparse.ArgumentParser, default_num: int) -> None:
+    p.add_argument(
+        "--dataset", default=None, help="JSONL ({prompt, max_tokens}), ShareGPT JSON, or one prompt a line"
+    )
+    p.add_argument(
+        "--num-prompts", type=int, default=None, help=f"how many prompts (random: default {default_num})"
+    )
+    p.add_argument("--input-len", type=int, default=128, help="random prompt length in tokens (no --dataset)")
+    p.add_argument(
+        "--output-len", type=int, default=128, help="tokens to generate per prompt without max_tokens"
+    )
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generate exactly max_tokens (default: on)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of random prompts and arrivals (default: 0)")
+    p.add_argument("--output-json", default=None, help="write the report here")
+    p.add_argument("--plot-dir", default=None, help="write PNG plots here")
+
+
+def _add_throughput(sub) -> None:
     t = sub.add_parser(
         "throughput",
         help="offline throughput, like `vllm bench throughput`",
@@ -25,74 +58,275 @@ def add_parser(subparsers) -> None:
         epilog="example:\n  pagedllm bench throughput --dataset ../shared/bench/w32.jsonl --compare hf",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    t.add_argument(
-        "--dataset", default=None, help="JSONL ({prompt, max_tokens}), ShareGPT JSON, or one prompt a line"
-    )
-    t.add_argument("--num-prompts", type=int, default=None, help="how many prompts (random: default 32)")
-    t.add_argument("--input-len", type=int, default=128, help="random prompt length in tokens (no --dataset)")
-    t.add_argument("--output-len", type=int, default=128, help="tokens to generate per random prompt")
-    t.add_argument(
-        "--ignore-eos",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="generate exactly max_tokens (default: on)",
-    )
+    _add_prompt_args(t, 32)
     t.add_argument("--repeat", type=int, default=1, help="runs to take the median of (default: 1)")
     t.add_argument(
         "--compare",
         action="append",
         default=[],
-        choices=["hf"],
-        help="also run HF transformers (padded static batch) on the same prompts",
+        choices=PEERS,
+        help="also run a peer on the same prompts: hf (transformers, padded static batch, same dtype) or "
+        "llama.cpp (llama-cpp-python on the same GGUF, 2 threads); may be given twice",
     )
-    t.add_argument("--output-json", default=None, help="write the report here")
+    t.add_argument("--peer-threads", type=int, default=2, help="llama.cpp threads (default: 2)")
     add_engine_args(t)
     t.set_defaults(run=run_throughput)
-    p.set_defaults(run=lambda args: p.print_help() or 0)
 
 
-def run_throughput(args: argparse.Namespace) -> int:
+def _add_serve(sub) -> None:
+    s = sub.add_parser(
+        "serve",
+        help="online serving latency and throughput, like `vllm bench serve`",
+        description="Stream requests at an OpenAI-compatible server (Poisson arrivals, bounded concurrency); "
+        "report TTFT, TPOT, ITL and E2EL (mean/median/p99) and throughput.",
+        epilog="examples:\n  pagedllm bench serve --base-url http://127.0.0.1:8000 --model default --num-prompts 64\n"
+        "  pagedllm bench serve --launch --max-concurrency 1 4 16 --plot-dir out/plots",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_prompt_args(s, 64)
+    s.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to benchmark")
+    s.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    s.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
+    s.add_argument("--served-model-name", default=None, help="model name in requests (default: --model)")
+    s.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (default: inf)"
+    )
+    s.add_argument(
+        "--max-concurrency",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="most requests in flight; several values run one after another (a sweep)",
+    )
+    s.add_argument(
+        "--launch", action="store_true", help="start `pagedllm serve` with the engine options on a free port"
+    )
+    add_engine_args(s)
+    s.set_defaults(run=run_serve)
+
+
+def _add_memory(sub) -> None:
+    m = sub.add_parser(
+        "memory",
+        help="how many requests a KV budget holds: paged vs max-length reservation, shared prefix",
+        description="Allocate a seeded length mix through the engine's real KVCacheManager (no model run) "
+        "until the cache is full, paged and with max_model_len reserved per request; then N requests "
+        "sharing a system prompt with and without prefix caching. Each figure beside the planner's.",
+    )
+    m.add_argument("--num-requests", type=int, default=256, help="requests in the length mix (default: 256)")
+    m.add_argument("--min-len", type=int, default=50, help="shortest prompt+output (default: 50)")
+    m.add_argument("--max-len", type=int, default=2000, help="longest prompt+output (default: 2000)")
+    m.add_argument(
+        "--prefix-requests", type=int, default=16, help="requests sharing the prefix (default: 16)"
+    )
+    m.add_argument("--prefix-len", type=int, default=200, help="shared system prompt tokens (default: 200)")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--output-json", default=None, help="write the report here")
+    m.add_argument("--plot-dir", default=None, help="write PNG plots here")
+    add_engine_args(m)
+    m.set_defaults(run=run_memory)
+
+
+def _prompts(args: argparse.Namespace, default_num: int, vocab_size: int):
     from pagedllm.bench.dataset import load_dataset, random_prompts
+
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise InputError(f"--num-prompts must be at least 1, got {args.num_prompts}", param="num_prompts")
+    if args.dataset:
+        return load_dataset(args.dataset, args.output_len, args.num_prompts)
+    return random_prompts(
+        args.num_prompts or default_num, args.input_len, args.output_len, vocab_size, args.seed
+    )
+
+
+def _write_json(path: str | None, report: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+# ---- throughput ---------------------------------------------------------------------------------------
+def run_throughput(args: argparse.Namespace) -> int:
     from pagedllm.bench.throughput import run_offline, summarize
     from pagedllm.entrypoints.llm import LLM
 
     if args.repeat < 1:
         raise InputError(f"--repeat must be at least 1, got {args.repeat}")
     llm = LLM(**engine_kwargs(args), show_progress=False)
-    if args.dataset:
-        prompts = load_dataset(args.dataset, args.output_len, args.num_prompts)
-    else:
-        prompts = random_prompts(
-            args.num_prompts or 32, args.input_len, args.output_len, llm.llm_engine.model_config.vocab_size
-        )
+    engine = llm.llm_engine
+    prompts = _prompts(args, 32, engine.model_config.vocab_size)
     run_offline(llm, prompts[:2], args.ignore_eos, use_tqdm=False)  # warm-up
     runs = [summarize(run_offline(llm, prompts, args.ignore_eos)) for _ in range(args.repeat)]
-    report = {"pagedllm": _median(runs)}
-    for peer in args.compare:
-        from pagedllm.bench.peers import hf_generate_throughput
-
-        peer_runs = [
-            summarize(hf_generate_throughput(llm.llm_engine.model_path, prompts, llm.llm_engine.dtype))
-            for _ in range(args.repeat)
-        ]
-        report[peer] = _median(peer_runs)
-        report[f"ratio_vs_{peer}"] = (
-            report["pagedllm"]["output_tokens_per_second"] / report[peer]["output_tokens_per_second"]
+    report: dict = {"pagedllm": _median(runs)}
+    for peer in dict.fromkeys(args.compare):  # once each, in the order given
+        report.update(_run_peer(peer, engine, prompts, args))
+    for name in [k for k, v in report.items() if isinstance(v, dict) and k != "pagedllm"]:
+        report[f"ratio_vs_{name}"] = (
+            report["pagedllm"]["output_tokens_per_second"] / report[name]["output_tokens_per_second"]
         )
-    for name, r in report.items():
-        if isinstance(r, dict):
-            print(
-                f"{name:>10}: {r['requests_per_second']:.2f} requests/s, {r['tokens_per_second']:.1f} total tokens/s, "
-                f"{r['output_tokens_per_second']:.1f} output tokens/s ({r['elapsed_time']:.2f} s)"
-            )
-        else:
-            print(f"{name}: {r:.2f}x")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2)
+    print(_format_throughput(report))
+    # vLLM's flat keys at the top (ours), each system's full figures and the ratios beside them
+    _write_json(args.output_json, {**report["pagedllm"], **report})
+    if args.plot_dir:
+        from pagedllm.bench.plots import plot_offline
+
+        stem = Path(args.dataset).stem if args.dataset else "random"
+        print(
+            f"plot: {plot_offline(report, Path(args.plot_dir) / f'offline_{stem}.png', f'{stem}: output tokens/s')}"
+        )
     sys.stdout.flush()
     return 0
 
 
+def _run_peer(peer: str, engine, prompts, args) -> dict:
+    from pagedllm.bench.throughput import summarize
+
+    if peer == "hf":
+        from pagedllm.bench.peers import hf_generate_throughput
+
+        runs = hf_generate_throughput(engine.model_path, prompts, engine.dtype, repeat=args.repeat)
+        return {"hf": _median([summarize(r) for r in runs])}
+    from pagedllm.bench import llamacpp
+
+    reason = llamacpp.unavailable_reason(engine.model_path)
+    if reason:
+        print(f"llama.cpp: skipped: {reason}")
+        return {}
+    out = {}
+    for mode, runs in llamacpp.run_llamacpp(
+        engine.model_path, prompts, args.peer_threads, args.repeat
+    ).items():
+        out[mode] = _median([summarize(r) for r in runs])
+    return out
+
+
+def _format_throughput(report: dict) -> str:
+    lines = []
+    for name, r in report.items():
+        if isinstance(r, dict):
+            line = (
+                f"{name:>16}: {r['requests_per_second']:.2f} requests/s, {r['tokens_per_second']:.1f} total "
+                f"tokens/s, {r['output_tokens_per_second']:.1f} output tokens/s ({r['elapsed_time']:.2f} s)"
+            )
+            if r.get("num_requests") == 1 and "median_ttft_s" in r:
+                line += f"; TTFT {r['median_ttft_s'] * 1000:.0f} ms, decode {r['decode_tokens_per_second']:.1f} tok/s"
+            lines.append(line)
+        else:
+            lines.append(f"{name}: {r:.2f}x")
+    return "\n".join(lines)
+
+
 def _median(runs: list[dict]) -> dict:
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0] if isinstance(runs[0][k], (int, float))}
+
+
+# ---- serve --------------------------------------------------------------------------------------------
+def _engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine options as `pagedllm serve` flags, for --launch."""
+    kw = engine_kwargs(args)
+    flags = []
+    for key, value in kw.items():
+        if key == "enable_prefix_caching":
+            flags += [] if value else ["--no-prefix-caching"]
+        elif value is not None:
+            flags += [f"--{key.replace('_', '-')}", str(value)]
+    return flags
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from contextlib import nullcontext
+
+    from pagedllm.bench.launch import launched_server
+    from pagedllm.bench.serve import format_report
+    from pagedllm.bench.serve import run_serve as bench
+
+    if args.request_rate <= 0:
+        raise InputError(f"--request-rate must be positive, got {args.request_rate}", param="request_rate")
+    if any(c is not None and c < 1 for c in args.max_concurrency):
+        raise InputError("--max-concurrency must be at least 1", param="max_concurrency")
+    prompts = _prompts(args, 64, _vocab_size(args.model))
+    if args.endpoint.endswith("chat/completions"):
+        prompts = _as_text(prompts, args.model)
+    name = args.served_model_name or args.model
+    server = launched_server(_engine_flags(args)) if args.launch else nullcontext(args.base_url)
+    runs = []
+    with server as base_url:
+        for conc in args.max_concurrency:
+            r = asyncio.run(
+                bench(
+                    base_url,
+                    args.endpoint,
+                    name,
+                    prompts,
+                    args.request_rate,
+                    conc,
+                    args.ignore_eos,
+                    args.api_key,
+                    args.seed,
+                )
+            )
+            print(format_report(r))
+            runs.append(r)
+    report = runs[0] if len(runs) == 1 else {"runs": runs}
+    _write_json(args.output_json, report)
+    if args.plot_dir:
+        from pagedllm.bench.plots import plot_concurrency, plot_latency
+
+        d = Path(args.plot_dir)
+        print(f"plot: {plot_latency(runs, d / 'serve_latency.png')}")
+        if len(runs) > 1:
+            print(f"plot: {plot_concurrency(runs, d / 'serve_concurrency.png')}")
+    return 1 if any(r["failed"] for r in runs) else 0
+
+
+def _as_text(prompts, model: str):
+    """Chat messages carry text: decode random token prompts with the model's tokenizer."""
+    from pagedllm.bench.dataset import BenchPrompt
+    from pagedllm.model.loader import resolve_model_path
+    from pagedllm.model.tokenizer import Tokenizer
+
+    if all(isinstance(p.prompt, str) for p in prompts):
+        return prompts
+    tok = Tokenizer.from_checkpoint(resolve_model_path(model))
+    return [
+        BenchPrompt(p.prompt if isinstance(p.prompt, str) else tok.decode(p.prompt), p.max_tokens)
+        for p in prompts
+    ]
+
+
+def _vocab_size(model: str) -> int:
+    """Random token prompts need the vocabulary size: from the model's metadata when it is local."""
+    from pagedllm.model.loader import read_model_config, resolve_model_path
+
+    try:
+        return read_model_config(resolve_model_path(model)).vocab_size
+    except InputError:
+        return read_model_config(resolve_model_path("default")).vocab_size
+
+
+# ---- memory -------------------------------------------------------------------------------------------
+def run_memory(args: argparse.Namespace) -> int:
+    from pagedllm.bench.memory import format_report
+    from pagedllm.bench.memory import run_memory as bench
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    if args.min_len < 2 or args.max_len < args.min_len:
+        raise InputError("need 2 <= --min-len <= --max-len", param="min_len")
+    engine = LLMEngine(**engine_kwargs(args), show_progress=False)
+    report = bench(
+        engine,
+        args.num_requests,
+        args.min_len,
+        args.max_len,
+        args.prefix_requests,
+        args.prefix_len,
+        args.seed,
+    )
+    print(format_report(report))
+    _write_json(args.output_json, report)
+    if args.plot_dir:
+        from pagedllm.bench.plots import plot_memory
+
+        print(f"plot: {plot_memory(report, Path(args.plot_dir) / 'memory.png')}")
+    return 0

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Regenerate docs/benchmarks.md and its plots (docs/img/*.png) in one go: `make bench`.
+# The JSON reports land in out/bench/ (ignored by git). Takes about 15-25 minutes on 2 cores.
+# Knobs: W32_REPEAT and SINGLE_REPEAT (runs per offline figure, median; default 3), BENCH_THREADS
+# (torch threads for ours and HF; default: all cores; 1 is faster on a machine shared with busy
+# processes), BENCH_SERVE_PROMPTS, BENCH_OUT, VENV.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+OUT=${BENCH_OUT:-out/bench}
+IMG=docs/img
+W32_REPEAT=${W32_REPEAT:-3}
+SINGLE_REPEAT=${SINGLE_REPEAT:-3}
+export OMP_NUM_THREADS=${BENCH_THREADS:-$(nproc)}
+W32=../shared/bench/w32.jsonl
+SINGLE50=../shared/bench/single50.jsonl
+PAGEDLLM="$VENV/bin/pagedllm"
+
+mkdir -p "$OUT" "$IMG"
+: > "$OUT/commands.txt"
+echo "export OMP_NUM_THREADS=$OMP_NUM_THREADS" >> "$OUT/commands.txt"
+run() {  # record the command as a reader would type it, then run it
+    echo "pagedllm $*" >> "$OUT/commands.txt"
+    "$PAGEDLLM" "$@"
+}
+
+"$VENV/bin/python" -m pagedllm.bench.report machine "$OUT/machine.json"
+if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
+    echo "note: llama-cpp-python is not installed: llama.cpp rows are skipped (pip install llama-cpp-python)"
+fi
+
+# Memory first: it does not run the model, and its figures are exact.
+run bench memory --output-json "$OUT/memory.json" --plot-dir "$IMG"
+
+# W32 offline, ours vs HF bf16 vs llama.cpp, medians of W32_REPEAT runs.
+run bench throughput --dataset "$W32" --repeat "$W32_REPEAT" --compare hf --compare llama.cpp \
+    --output-json "$OUT/w32.json" --plot-dir "$IMG"
+
+# single50: one stream, decode tok/s and TTFT.
+run bench throughput --dataset "$SINGLE50" --repeat "$SINGLE_REPEAT" --compare hf --compare llama.cpp \
+    --output-json "$OUT/single50.json"
+
+# Serving latency at a few concurrencies (the server is started and stopped by --launch).
+run bench serve --launch --num-prompts "${BENCH_SERVE_PROMPTS:-16}" --input-len 128 --output-len 32 \
+    --max-concurrency 1 4 16 --output-json "$OUT/serve.json" --plot-dir "$IMG" \
+    || echo "warning: bench serve reported failed requests (see $OUT/serve.json errors)"
+
+"$VENV/bin/python" -m pagedllm.bench.report machine "$OUT/machine_end.json"
+"$VENV/bin/python" -m pagedllm.bench.report render "$OUT" docs/benchmarks.md
+echo "wrote docs/benchmarks.md and $IMG/*.png"

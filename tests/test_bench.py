@@ -1,0 +1,204 @@
+"""Smoke tests of `pagedllm bench throughput | serve | memory`: tiny sizes, report fields and sanity.
+
+Never timing: only counts, positivity and order (median <= p99), and memory arithmetic that must agree
+exactly with the planner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagedllm.bench import serve as bench_serve
+from pagedllm.bench.dataset import BenchPrompt, load_dataset
+from pagedllm.bench.memory import count_fits, length_mix, planner_fits, shared_prefix_blocks
+from pagedllm.config import CacheConfig
+from pagedllm.entrypoints.cli.main import main
+
+SERVE_KEYS = [
+    "completed",
+    "failed",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p99")),
+]
+
+
+def _check_serve(r: dict, n: int, out_len: int, chunk_per_token: bool = True) -> None:
+    for key in SERVE_KEYS:
+        assert key in r, key
+    assert r["completed"] == n and r["failed"] == 0, r["errors"]
+    assert r["total_output_tokens"] == n * out_len
+    assert r["request_throughput"] > 0 and r["output_throughput"] > 0
+    assert r["total_token_throughput"] >= r["output_throughput"]
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        assert 0 <= r[f"median_{m}_ms"] <= r[f"p99_{m}_ms"]
+    assert r["median_ttft_ms"] <= r["p99_e2el_ms"]
+    # completions send a chunk a token; chat skips a token whose text the detokenizer holds back
+    assert all(len(row) == out_len - 1 if chunk_per_token else len(row) < out_len for row in r["itls"])
+
+
+# ---- pure parts: no model ---------------------------------------------------------------------------
+def test_dataset_formats(tmp_path: Path) -> None:
+    (tmp_path / "a.jsonl").write_text('{"prompt": "hi", "max_tokens": 3}\n{"prompt": "yo"}\n')
+    (tmp_path / "b.json").write_text(json.dumps([{"conversations": [{"from": "human", "value": "q"}]}]))
+    (tmp_path / "c.txt").write_text("one\n\ntwo\n")
+    assert [(p.prompt, p.max_tokens) for p in load_dataset(tmp_path / "a.jsonl", 7)] == [("hi", 3), ("yo", 7)]
+    assert [p.prompt for p in load_dataset(tmp_path / "b.json")] == ["q"]
+    assert [p.prompt for p in load_dataset(tmp_path / "c.txt", num_prompts=1)] == ["one"]
+
+
+def test_percentile_and_summary() -> None:
+    assert bench_serve.percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
+    assert bench_serve.percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+    rs = [
+        bench_serve.RequestResult(True, 5, 4, 0.1, [0.02, 0.03, 0.04], 0.19),
+        bench_serve.RequestResult(True, 5, 4, 0.2, [0.02, 0.02, 0.02], 0.26),
+        bench_serve.RequestResult(False, 5, 0, error="HTTP 500"),
+    ]
+    r = bench_serve.summarize(rs, 1.0)
+    assert (r["completed"], r["failed"], r["total_output_tokens"]) == (2, 1, 8)
+    assert r["mean_tpot_ms"] == pytest.approx(((0.09 / 3) + (0.06 / 3)) / 2 * 1000)
+    assert r["median_itl_ms"] == pytest.approx(20.0)
+
+
+def test_memory_accounting_agrees_with_planner() -> None:
+    cache = CacheConfig(block_size=16, num_blocks=512)
+    mix = length_mix(64, 50, 2000, seed=1)
+    paged, blocks = count_fits(cache, mix, None)
+    naive, naive_blocks = count_fits(cache, mix, 2048)
+    assert paged == planner_fits(mix.totals, 512, 16) and paged >= naive
+    assert naive == 512 * 16 // 2048 and naive_blocks == naive * 2048 // 16
+    assert blocks <= 512
+    p = shared_prefix_blocks(cache, 8, 200, 50, 100)
+    assert p["blocks_saved"] > 0
+    assert p["blocks_with_prefix_caching"] == p["planner_blocks_with"]
+    assert p["blocks_without_prefix_caching"] == p["planner_blocks_without"]
+
+
+# ---- bench serve against the in-process fake server (fast) -------------------------------------------
+@pytest.fixture(scope="module")
+def fake_server():
+    import uvicorn
+    from fake_engine import FakeEngine
+
+    from pagedllm.engine.async_engine import AsyncEngine
+    from pagedllm.entrypoints.openai.server import build_app
+
+    engine = AsyncEngine(FakeEngine(max_model_len=2048, num_kv_blocks=4096, max_num_seqs=8))
+    app = build_app(engine, served_model_names=["fake"], shutdown_timeout=5)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    base_url = f"http://127.0.0.1:{port}"
+    from test_server import wait_healthy
+
+    wait_healthy(base_url, 30, alive=thread.is_alive)
+    yield base_url
+    uv.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_bench_serve_fake(fake_server: str, endpoint: str) -> None:
+    prompts = [BenchPrompt("a short prompt", 6) for _ in range(6)]
+    r = asyncio.run(
+        bench_serve.run_serve(
+            fake_server, endpoint, "fake", prompts, request_rate=50.0, max_concurrency=3, use_tqdm=False
+        )
+    )
+    _check_serve(r, 6, 6, chunk_per_token=endpoint == "/v1/completions")
+    assert r["max_concurrency"] == 3
+
+
+def test_bench_serve_reports_failures(fake_server: str) -> None:
+    prompts = [BenchPrompt([5, 6], 4)] * 2
+    with pytest.raises(ConnectionError):  # the warm-up request already fails: wrong model name
+        asyncio.run(bench_serve.run_serve(fake_server, "/v1/completions", "nope", prompts, use_tqdm=False))
+
+
+def test_sse_parse_with_mock_transport() -> None:
+    chunks = [{"choices": [{"text": t}]} for t in ("a", "", "b")]
+    chunks.append({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}})
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+    async def go() -> bench_serve.RequestResult:
+        transport = httpx.MockTransport(lambda req: httpx.Response(200, text=body))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await bench_serve.send_request(client, "http://x/v1/completions", {}, {}, 0)
+
+    r = asyncio.run(go())
+    assert r.success and r.output_tokens == 3 and r.prompt_len == 9 and len(r.itl) == 2
+    assert 0 <= r.ttft <= r.latency
+
+
+# ---- the CLI with the real default model -------------------------------------------------------------
+@pytest.mark.slow
+def test_cli_throughput(tmp_path: Path, capsys) -> None:
+    """vLLM's keys and sane counts; llama.cpp compared when installed, else a skip line naming the install."""
+    out = tmp_path / "t.json"
+    argv = ["bench", "throughput", "--num-prompts", "2", "--input-len", "8", "--output-len", "4"]
+    argv += ["--num-kv-blocks", "64", "--max-model-len", "256", "--compare", "llama.cpp"]
+    argv += ["--output-json", str(out), "--plot-dir", str(tmp_path)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    r = report["pagedllm"]
+    for key in (
+        "elapsed_time",
+        "num_requests",
+        "total_num_tokens",
+        "requests_per_second",
+        "tokens_per_second",
+    ):
+        assert report[key] == r[key]  # vLLM's flat keys at the top
+    assert r["num_requests"] == 2 and r["output_tokens"] == 8 and r["total_num_tokens"] == 24
+    assert r["tokens_per_second"] > r["output_tokens_per_second"] > 0
+    assert (tmp_path / "offline_random.png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "output tokens/s" in printed
+    if "llama.cpp" in report:
+        assert report["ratio_vs_llama.cpp"] > 0 and report["llama.cpp"]["output_tokens"] == 8
+    else:
+        assert "pip install llama-cpp-python" in printed
+
+
+@pytest.mark.slow
+def test_cli_serve_launch(tmp_path: Path) -> None:
+    out = tmp_path / "s.json"
+    argv = ["bench", "serve", "--launch", "--num-prompts", "4", "--input-len", "8", "--output-len", "4"]
+    argv += ["--max-concurrency", "2", "--num-kv-blocks", "64", "--max-model-len", "256"]
+    argv += ["--output-json", str(out), "--plot-dir", str(tmp_path)]
+    assert main(argv) == 0
+    _check_serve(json.loads(out.read_text()), 4, 4)
+    assert (tmp_path / "serve_latency.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_cli_memory(tmp_path: Path) -> None:
+    out = tmp_path / "m.json"
+    argv = ["bench", "memory", "--num-kv-blocks", "256", "--max-model-len", "1024", "--num-requests", "32"]
+    argv += ["--min-len", "50", "--max-len", "800", "--prefix-requests", "8", "--output-json", str(out)]
+    argv += ["--plot-dir", str(tmp_path)]
+    assert main(argv) == 0
+    r = json.loads(out.read_text())
+    assert r["num_blocks"] == 256 and r["max_model_len"] == 1024
+    assert r["paged_fits"] >= r["naive_fits"] == 4
+    assert r["shared_prefix"]["blocks_saved"] > 0
+    assert r["planner_agrees"] is True
+    assert (tmp_path / "memory.png").stat().st_size > 0
+
+
+def test_cli_errors(capsys) -> None:
+    assert main(["bench", "serve", "--request-rate", "0"]) == 2
+    assert main(["bench", "throughput", "--dataset", "/nonexistent.jsonl"]) == 2
+    assert "does not exist" in capsys.readouterr().err
