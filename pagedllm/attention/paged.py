@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention import cpu_kernel
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -72,6 +73,17 @@ def _prefill_one(
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    nd = q.shape[0]
+    kernel = cpu_kernel.load() if q.device.type == "cpu" and kv_cache.dtype == q.dtype else None
+    if kernel is not None:  # reads K/V in place through the block tables: no gathered copy
+        return kernel.paged_decode(q, kv_cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd], scale)
+    return decode_torch(q, kv_cache, meta, scale)
+
+
+def decode_torch(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """The pure-torch decode: gather each context's blocks, then one padded, masked SDPA call."""
     nd = q.shape[0]
     bs = meta.block_size
     num_kv_heads, head_dim = kv_cache.shape[-2:]

@@ -1,0 +1,105 @@
+// Decode paged attention on the CPU: one query token per sequence, K/V read in place through the
+// block table (no gathered copy of the context). Parallel over (sequence, KV head); the query heads
+// of a GQA group share every K/V load. Accumulates in float whatever the cache dtype.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+// HEAD_DIM > 0 fixes head_dim at compile time (fully unrolled, vectorized inner loops); 0 = any.
+template <typename scalar_t, int64_t HEAD_DIM>
+static void decode_kernel(const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+                          const int64_t* tables, const int64_t* lens, scalar_t* out, int64_t B,
+                          int64_t H, int64_t KVH, int64_t head_dim, int64_t BS, int64_t max_blocks,
+                          float scale) {
+  const int64_t D = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
+  const int64_t G = H / KVH;
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / KVH, h = task % KVH;
+      const int64_t L = lens[b];
+      scores.assign(G * L, 0.f);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = float(q[(b * H + h * G + g) * D + d]) * scale;
+      // scores = q . k for every position, through the block table
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t slot = tables[b * max_blocks + t / BS] * BS + t % BS;
+        const scalar_t* k = k_cache + (slot * KVH + h) * D;
+        float kf[256];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) kf[d] = float(k[d]);
+        for (int64_t g = 0; g < G; ++g) {
+          float s = 0.f;
+          const float* qg = qf.data() + g * D;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * kf[d];
+          scores[g * L + t] = s;
+        }
+      }
+      // softmax per query head
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * L;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < L; ++t) {
+          sg[t] = std::exp(sg[t] - m);
+          sum += sg[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
+      }
+      // out = p . v
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < L; ++t) {
+        const int64_t slot = tables[b * max_blocks + t / BS] * BS + t % BS;
+        const scalar_t* v = v_cache + (slot * KVH + h) * D;
+        float vf[256];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) vf[d] = float(v[d]);
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = scores[g * L + t];
+          float* ag = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ag[d] += p * vf[d];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) out[(b * H + h * G + g) * D + d] = scalar_t(acc[g * D + d]);
+    }
+  });
+}
+
+// q [B, H, D]; kv_cache [2, num_blocks, block_size, KVH, D]; block_tables [B, max_blocks] int64;
+// seq_lens [B] int64. Returns [B, H, D] in q's dtype.
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                           torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5, "paged_decode: bad ranks");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "paged_decode: q and cache dtypes differ");
+  TORCH_CHECK(kv_cache.size(4) <= 256, "paged_decode: head_dim above 256");
+  q = q.contiguous();
+  kv_cache = kv_cache.contiguous();
+  block_tables = block_tables.to(torch::kInt64).contiguous();
+  seq_lens = seq_lens.to(torch::kInt64).contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t NB = kv_cache.size(1), BS = kv_cache.size(2), KVH = kv_cache.size(3);
+  TORCH_CHECK(H % KVH == 0, "paged_decode: heads not a multiple of KV heads");
+  auto out = torch::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    const scalar_t* base = kv_cache.data_ptr<scalar_t>();
+    auto run = [&](auto kernel) {
+      kernel(q.data_ptr<scalar_t>(), base, base + NB * BS * KVH * D, block_tables.data_ptr<int64_t>(),
+             seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, H, KVH, D, BS, block_tables.size(1),
+             (float)scale);
+    };
+    if (D == 64) run(decode_kernel<scalar_t, 64>);
+    else if (D == 128) run(decode_kernel<scalar_t, 128>);
+    else run(decode_kernel<scalar_t, 0>);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode, "paged decode attention (CPU)"); }
