@@ -39,11 +39,25 @@ def default_pair():
     return path, our_model(path), hf_model(path)
 
 
-@pytest.fixture(scope="module", params=["gqa", "odd-heads-bias"])
+@pytest.fixture(scope="module", params=["gqa", "odd-heads-bias", "llama3-rope"])
 def tiny_pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     if request.param == "gqa":
         save_tiny_llama(path)  # 4 heads over 2 KV heads, separate lm_head
+    elif request.param == "llama3-rope":
+        # Llama 3.1-style RoPE scaling; a short original context so the 100-token prompts feel it
+        save_tiny_llama(
+            path,
+            seed=2,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
     else:
         save_tiny_qwen2(path)  # 3 heads over 1 KV head, q/k/v bias, tied embeddings
     return path, our_model(path), hf_model(path)

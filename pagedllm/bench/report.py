@@ -164,9 +164,9 @@ def render(d: Path) -> str:
         "",
         "## This run",
         "",
-        f"- date: {m['date']}; **other engineers' builds and tests were running on the same 2 cores**"
-        f" (1-minute load average {m['loadavg_1m']:.1f} at the start, {end.get('loadavg_1m', float('nan')):.1f}"
-        " at the end), so absolute figures are noisy and low; compare the ratios, measured in the same run.",
+        f"- date: {m['date']}; 1-minute load average {m['loadavg_1m']:.1f} at the start and"
+        f" {end.get('loadavg_1m', float('nan')):.1f} at the end (the benchmark itself adds about 1 on 2 cores;"
+        " more means other work shared the machine): compare the ratios, measured in the same run.",
         f"- CPU: {m['cpu']}, {m['cores']} cores; flags: {', '.join(m['flags']) or 'none of note'}",
         f"- torch threads (OMP_NUM_THREADS, ours and HF alike): {m.get('omp_num_threads') or 'default'}."
         " On a machine shared with other busy processes one thread is several times faster than two"
