@@ -24,7 +24,8 @@ demo: install
 	$(VENV)/bin/pagedllm generate "Write a haiku about a paged KV cache." --chat --max-tokens 64
 
 test: install
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/python -m pytest -q --durations=15
 
 # Regenerates docs/benchmarks.md and docs/img/*.png (scripts/bench_all.sh; 15-25 minutes on 2 cores).
 bench: install

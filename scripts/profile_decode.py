@@ -1,7 +1,7 @@
 """Profile one W32 decode step: 32 running requests of the default model, contexts ~60 tokens in.
 
-    .venv/bin/python scripts/profile_decode.py          # median step time + torch.profiler table
-    PAGEDLLM_NO_CPU_KERNEL=1 .venv/bin/python scripts/profile_decode.py   # the pure-torch attention
+.venv/bin/python scripts/profile_decode.py          # median step time + torch.profiler table
+PAGEDLLM_NO_CPU_KERNEL=1 .venv/bin/python scripts/profile_decode.py   # the pure-torch attention
 """
 
 import json
@@ -26,7 +26,9 @@ for _ in range(10):
     t = time.perf_counter()
     engine.step()
     times.append(time.perf_counter() - t)
-print(f"decode step: median {statistics.median(times) * 1e3:.1f} ms for {len(engine.scheduler.running)} sequences")
+print(
+    f"decode step: median {statistics.median(times) * 1e3:.1f} ms for {len(engine.scheduler.running)} sequences"
+)
 with profile(activities=[ProfilerActivity.CPU]) as prof:
     for _ in range(5):
         engine.step()
