@@ -227,3 +227,20 @@ def test_startup_log_line_reports_the_kv_cache(caplog):
     assert "100 blocks x 16 tokens = 1600 tokens" in line
     assert "(70.312 MiB)" in line
     assert "max concurrency at 1600 tokens" in line
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(block_size=0), "block_size"),
+        (dict(max_num_batched_tokens=-1), "max_num_batched_tokens"),
+        (dict(kv_cache_memory="lots"), "kv_cache_memory"),
+        (dict(kv_cache_dtype="int3"), "kv_cache_dtype"),
+        (dict(dtype="fp12"), "dtype"),
+    ],
+)
+def test_bad_engine_options_fail_before_loading(kwargs, field):
+    with pytest.raises(InputError) as e:
+        LLM(model="/no/such/model/is/ever/loaded", **kwargs)
+    assert e.value.param == field or field in str(e.value)

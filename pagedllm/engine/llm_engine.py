@@ -112,9 +112,20 @@ class LLMEngine:
         seed: int = 0,
         show_progress: bool = True,
     ):
-        if block_size < 1:
-            raise InputError(f"block_size must be at least 1, got {block_size}", param="block_size")
+        # check every option before the (slow) model load, so a typo fails at once
+        for name, value in (
+            ("block_size", block_size),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("num_kv_blocks", num_kv_blocks),
+            ("max_model_len", max_model_len),
+        ):
+            if value is not None and value < 1:
+                raise InputError(f"{name} must be at least 1, got {value}", param=name)
         self.dtype = resolve_dtype(dtype)
+        kv_dtype = TORCH_TO_PLANNER[self._kv_dtype(kv_cache_dtype)]
+        if kv_cache_memory is not None:
+            parse_size(kv_cache_memory, param="kv_cache_memory")
         torch.manual_seed(seed)
         path = resolve_model_path(model)
         self.model_path = path
@@ -123,12 +134,14 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_checkpoint(path)
 
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        kv_dtype = TORCH_TO_PLANNER[self._kv_dtype(kv_cache_dtype)]
         block_bytes = planner.block_bytes(
             block_size, planner.kv_bytes_per_token(cfg.num_layers, cfg.kv_width, kv_dtype)
         )
         if num_kv_blocks is None:
-            memory = parse_size(kv_cache_memory if kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY)
+            memory = parse_size(
+                kv_cache_memory if kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY,
+                param="kv_cache_memory",
+            )
             num_kv_blocks = memory // block_bytes
         if num_kv_blocks < 1:
             raise InputError(
