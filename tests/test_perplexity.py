@@ -79,7 +79,7 @@ def test_bad_input(tiny):
     with pytest.raises(InputError, match="max_position_embeddings 512"):
         perplexity(ours, ids, ctx=1024, show_progress=False)
     with pytest.raises(InputError, match="kv_cache_dtype") as e:
-        perplexity(ours, ids, ctx=CTX, kv_cache_dtype="fp8", show_progress=False)
+        perplexity(ours, ids, ctx=CTX, kv_cache_dtype="int3", show_progress=False)
     assert e.value.param == "kv_cache_dtype"
 
 
@@ -88,6 +88,8 @@ def test_kv_cache_dtype_is_used_when_chunked(tiny):
     full = perplexity(ours, ids, ctx=CTX, show_progress=False).ppl
     bf16 = perplexity(ours, ids, ctx=CTX, kv_cache_dtype="bf16", chunk_size=8, show_progress=False).ppl
     assert bf16 != full and bf16 == pytest.approx(full, rel=2e-2)
+    int8 = perplexity(ours, ids, ctx=CTX, kv_cache_dtype="int8", chunk_size=8, show_progress=False).ppl
+    assert int8 != full and int8 == pytest.approx(full, rel=2e-2)
 
 
 def test_default_model_on_wikitext2_test():

@@ -13,10 +13,14 @@ import torch.nn.functional as F
 
 from pagedllm.attention import cpu_kernel
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.quantization.kv import QuantizedKVCache
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V [T, kvh, hd] at their slots."""
+def write_kv(kv_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V [T, kvh, hd] at their slots (quantizing them for an int8/fp8 cache)."""
+    if isinstance(kv_cache, QuantizedKVCache):
+        kv_cache.write(k, v, slot_mapping)
+        return
     num_kv_heads, head_dim = k.shape[-2:]
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
@@ -51,8 +55,11 @@ def paged_attention(
             ks, vs = k[start:end], v[start:end]
         else:
             slots = context_slots(meta.block_tables[i], ctx, bs)
-            ks = kv_cache[0].view(-1, *k.shape[1:])[slots].to(q.dtype)
-            vs = kv_cache[1].view(-1, *v.shape[1:])[slots].to(q.dtype)
+            if isinstance(kv_cache, QuantizedKVCache):
+                ks, vs = kv_cache.read_slots(slots, q.dtype)
+            else:
+                ks = kv_cache[0].view(-1, *k.shape[1:])[slots].to(q.dtype)
+                vs = kv_cache[1].view(-1, *v.shape[1:])[slots].to(q.dtype)
         out[start:end] = _prefill_one(q[start:end], ks, vs, ctx - n, scale)
     return out
 
@@ -74,7 +81,8 @@ def _prefill_one(
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     nd = q.shape[0]
-    kernel = cpu_kernel.load() if q.device.type == "cpu" and kv_cache.dtype == q.dtype else None
+    plain = isinstance(kv_cache, torch.Tensor) and kv_cache.dtype == q.dtype
+    kernel = cpu_kernel.load() if plain and q.device.type == "cpu" else None
     if kernel is not None:  # reads K/V in place through the block tables: no gathered copy
         return kernel.paged_decode(q, kv_cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd], scale)
     return decode_torch(q, kv_cache, meta, scale)
@@ -92,7 +100,10 @@ def decode_torch(
     tables = meta.block_tables[:nd, :nb]
     # gather whole blocks (contiguous block_size x kvh x hd chunks) for K and V in one index_select:
     # about 3x faster on CPU than advanced indexing with the 2-D table
-    kv = torch.index_select(kv_cache, 1, tables.reshape(-1)).to(q.dtype)
+    if isinstance(kv_cache, QuantizedKVCache):
+        kv = kv_cache.read_blocks(tables.reshape(-1), q.dtype)
+    else:
+        kv = torch.index_select(kv_cache, 1, tables.reshape(-1)).to(q.dtype)
     k = kv[0].view(nd, nb * bs, num_kv_heads, head_dim)
     v = kv[1].view(nd, nb * bs, num_kv_heads, head_dim)
     # positions past a sequence's length (padding, block 0 of short tables) are masked out

@@ -23,6 +23,7 @@ from pagedllm.model.build import build_model
 from pagedllm.model.loader import resolve_model_path
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedllm.quantization.kv import KV_QUANT_DTYPES, kv_cache_bytes_per_token
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.units import format_size, parse_size
 from pagedllm.worker.model_runner import ModelRunner
@@ -123,7 +124,7 @@ class LLMEngine:
             if value is not None and value < 1:
                 raise InputError(f"{name} must be at least 1, got {value}", param=name)
         self.dtype = resolve_dtype(dtype)
-        kv_dtype = TORCH_TO_PLANNER[self._kv_dtype(kv_cache_dtype)]
+        kv_dtype = self._kv_dtype(kv_cache_dtype)
         if kv_cache_memory is not None:
             parse_size(kv_cache_memory, param="kv_cache_memory")
         torch.manual_seed(seed)
@@ -134,9 +135,12 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_checkpoint(path)
 
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        block_bytes = planner.block_bytes(
-            block_size, planner.kv_bytes_per_token(cfg.num_layers, cfg.kv_width, kv_dtype)
-        )
+        if kv_dtype in KV_QUANT_DTYPES:  # codes plus their per-token, per-head scales
+            per_token = kv_cache_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        else:
+            per_token = planner.kv_bytes_per_token(cfg.num_layers, cfg.kv_width, TORCH_TO_PLANNER[kv_dtype])
+        self.kv_bytes_per_token = per_token
+        block_bytes = planner.block_bytes(block_size, per_token)
         if num_kv_blocks is None:
             memory = parse_size(
                 kv_cache_memory if kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY,
@@ -173,11 +177,14 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}
 
-    def _kv_dtype(self, kv_cache_dtype: str) -> torch.dtype:
+    def _kv_dtype(self, kv_cache_dtype: str) -> torch.dtype | str:
+        """A torch dtype for a float cache, or "int8" / "fp8" for a quantized one."""
         named = {"auto": self.dtype, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+        if kv_cache_dtype in KV_QUANT_DTYPES:
+            return kv_cache_dtype
         if kv_cache_dtype not in named:
             raise InputError(
-                f"kv_cache_dtype must be one of {', '.join(named)}; got {kv_cache_dtype!r}",
+                f"kv_cache_dtype must be one of {', '.join([*named, *KV_QUANT_DTYPES])}; got {kv_cache_dtype!r}",
                 param="kv_cache_dtype",
             )
         return named[kv_cache_dtype]

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.errors import InputError
+from pagedllm.quantization.kv import KV_QUANT_DTYPES, QuantizedKVCache
 
 # torch dtypes the paged attention can already store K/V in (it casts on write and on read).
 KV_CACHE_DTYPES = {"auto": None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -86,10 +87,11 @@ def window_nll(
     num_seqs, ctx = windows.shape
     dtype = next(model.parameters()).dtype
     num_blocks = num_seqs * -(-ctx // block_size)
-    caches = [
-        torch.zeros(2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=kv_cache_dtype or dtype)
-        for _ in range(cfg.num_layers)
-    ]
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    if kv_cache_dtype in KV_QUANT_DTYPES:  # "int8" / "fp8": codes with per-token, per-head scales
+        caches = [QuantizedKVCache.zeros(kv_cache_dtype, *shape) for _ in range(cfg.num_layers)]
+    else:
+        caches = [torch.zeros(2, *shape, dtype=kv_cache_dtype or dtype) for _ in range(cfg.num_layers)]
     chunk = chunk_size or ctx
     total = torch.zeros(num_seqs, dtype=torch.float64)
     for start in range(0, ctx, chunk):
@@ -120,9 +122,8 @@ def perplexity(
     """Perplexity of `model` (a LlamaForCausalLM) on token_ids, GPTQ protocol with windows of ctx tokens.
 
     batch_size windows go through the model together (one flat batch of sequences). kv_cache_dtype
-    ("auto", "fp32", "fp16", "bf16" or a torch dtype) is the element type of the paged cache; quantized KV
-    caches are not supported by the attention yet and raise InputError. It only changes results together
-    with chunk_size (see window_nll).
+    ("auto", "fp32", "fp16", "bf16", a torch dtype, or "int8" / "fp8" for a quantized cache) is the element
+    type of the paged cache. It only changes results together with chunk_size (see window_nll).
     """
     if ctx > model.config.max_position_embeddings:
         raise InputError(
@@ -133,11 +134,11 @@ def perplexity(
         raise InputError(f"batch_size must be a whole number >= 1, got {batch_size!r}", param="batch_size")
     if chunk_size is not None and (isinstance(chunk_size, bool) or chunk_size < 1):
         raise InputError(f"chunk_size must be >= 1, got {chunk_size!r}", param="chunk_size")
-    if isinstance(kv_cache_dtype, str):
+    if isinstance(kv_cache_dtype, str) and kv_cache_dtype not in KV_QUANT_DTYPES:
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InputError(
-                f"kv_cache_dtype {kv_cache_dtype!r} is not supported by the attention yet; "
-                f"use one of {', '.join(KV_CACHE_DTYPES)}",
+                f"kv_cache_dtype {kv_cache_dtype!r} is not supported; "
+                f"use one of {', '.join([*KV_CACHE_DTYPES, *KV_QUANT_DTYPES])}",
                 param="kv_cache_dtype",
             )
         kv_cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]

@@ -13,6 +13,7 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import CacheConfig, ModelConfig
+from pagedllm.quantization.kv import KV_QUANT_DTYPES, QuantizedKVCache
 from pagedllm.worker.sampler import SamplingBatch, sample
 
 KV_CACHE_DTYPES = {"auto": None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -31,16 +32,16 @@ class ModelRunner:
         self.model = model
         self.config = model_config
         self.block_size = cache_config.block_size
-        kv_dtype = KV_CACHE_DTYPES.get(cache_config.kv_cache_dtype) or dtype
-        shape = (
-            2,
-            cache_config.num_blocks,
-            self.block_size,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-        )
-        # zeroed, not empty: padded decode positions read block 0 and garbage NaNs would leak through 0 * NaN
-        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype) for _ in range(model_config.num_layers)]
+        shape = (cache_config.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
+        kind = cache_config.kv_cache_dtype
+        if kind in KV_QUANT_DTYPES:  # int8 / fp8 codes with per-token, per-head scales
+            self.kv_caches = [QuantizedKVCache.zeros(kind, *shape) for _ in range(model_config.num_layers)]
+        else:
+            kv_dtype = KV_CACHE_DTYPES.get(kind) or dtype
+            # zeroed, not empty: padded decode positions read block 0, and NaN garbage leaks through 0 * NaN
+            self.kv_caches = [
+                torch.zeros((2, *shape), dtype=kv_dtype) for _ in range(model_config.num_layers)
+            ]
 
     def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
         """Copy-on-write: give a request its own copy of a shared block before it writes into it."""
@@ -49,7 +50,10 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in blocks_to_copy])
         dst = torch.tensor([d for _, d in blocks_to_copy])
         for cache in self.kv_caches:
-            cache[:, dst] = cache[:, src]
+            if isinstance(cache, QuantizedKVCache):
+                cache.copy_blocks(src, dst)
+            else:
+                cache[:, dst] = cache[:, src]
 
     def prepare_inputs(self, requests: list, num_new: dict[str, int]):
         bs = self.block_size

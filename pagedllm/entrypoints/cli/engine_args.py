@@ -34,7 +34,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
-    g.add_argument("--kv-cache-dtype", default="auto", help="KV cache element type: auto, bf16, fp16, fp32")
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="KV cache element type: auto, bf16, fp16, fp32, or int8 / fp8 (quantized, per-token scales)",
+    )
     g.add_argument("--quantization", default=None, help="quantize the weights at load: int8 or int4 (RTN)")
 
 

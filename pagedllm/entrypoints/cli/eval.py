@@ -43,8 +43,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        help="KV cache element type: auto, bf16, fp16, fp32 (default: auto)",
+        help="KV cache element type: auto, bf16, fp16, fp32, int8, fp8 (default: auto); "
+        "it matters only with --chunk-size, when later chunks read K/V back from the cache",
     )
+    p.add_argument("--chunk-size", type=int, default=None, help="prefill each window in chunks of N tokens")
     p.add_argument("--text", required=True, help="a UTF-8 text file, e.g. wikitext-2/test.txt")
     p.add_argument("--ctx", type=int, default=512, help="window length in tokens (default: 512)")
     p.add_argument("--max-windows", type=int, default=None, help="evaluate only the first N windows")
@@ -86,6 +88,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         max_windows=args.max_windows,
         kv_cache_dtype=args.kv_cache_dtype,
+        chunk_size=args.chunk_size,
         show_progress=not quiet,
     )
     if args.json:
