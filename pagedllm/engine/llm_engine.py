@@ -23,7 +23,7 @@ from pagedllm.model.build import build_model
 from pagedllm.model.loader import resolve_model_path
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedllm.quantization.kv import KV_QUANT_DTYPES, kv_cache_bytes_per_token
+from pagedllm.quantization.kv import KV_QUANT_DTYPES, kv_cache_bytes_per_token, resolve_kv_cache_dtype
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.units import format_size, parse_size
 from pagedllm.worker.model_runner import ModelRunner
@@ -124,7 +124,7 @@ class LLMEngine:
             if value is not None and value < 1:
                 raise InputError(f"{name} must be at least 1, got {value}", param=name)
         self.dtype = resolve_dtype(dtype)
-        kv_dtype = self._kv_dtype(kv_cache_dtype)
+        kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         if kv_cache_memory is not None:
             parse_size(kv_cache_memory, param="kv_cache_memory")
         torch.manual_seed(seed)
@@ -176,18 +176,6 @@ class LLMEngine:
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}
-
-    def _kv_dtype(self, kv_cache_dtype: str) -> torch.dtype | str:
-        """A torch dtype for a float cache, or "int8" / "fp8" for a quantized one."""
-        named = {"auto": self.dtype, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-        if kv_cache_dtype in KV_QUANT_DTYPES:
-            return kv_cache_dtype
-        if kv_cache_dtype not in named:
-            raise InputError(
-                f"kv_cache_dtype must be one of {', '.join([*named, *KV_QUANT_DTYPES])}; got {kv_cache_dtype!r}",
-                param="kv_cache_dtype",
-            )
-        return named[kv_cache_dtype]
 
     # ---- requests in ------------------------------------------------------------------------------
     def add_request(

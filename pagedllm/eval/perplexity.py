@@ -18,10 +18,9 @@ from tqdm import tqdm
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.errors import InputError
-from pagedllm.quantization.kv import KV_QUANT_DTYPES, QuantizedKVCache
+from pagedllm.quantization.kv import KV_QUANT_DTYPES, QuantizedKVCache, resolve_kv_cache_dtype
 
 # torch dtypes the paged attention can already store K/V in (it casts on write and on read).
-KV_CACHE_DTYPES = {"auto": None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -134,14 +133,8 @@ def perplexity(
         raise InputError(f"batch_size must be a whole number >= 1, got {batch_size!r}", param="batch_size")
     if chunk_size is not None and (isinstance(chunk_size, bool) or chunk_size < 1):
         raise InputError(f"chunk_size must be >= 1, got {chunk_size!r}", param="chunk_size")
-    if isinstance(kv_cache_dtype, str) and kv_cache_dtype not in KV_QUANT_DTYPES:
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise InputError(
-                f"kv_cache_dtype {kv_cache_dtype!r} is not supported; "
-                f"use one of {', '.join([*KV_CACHE_DTYPES, *KV_QUANT_DTYPES])}",
-                param="kv_cache_dtype",
-            )
-        kv_cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+    if isinstance(kv_cache_dtype, str):
+        kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, next(model.parameters()).dtype)
     windows = perplexity_windows(token_ids, ctx, max_windows)
     total, n = 0.0, windows.shape[0]
     with tqdm(total=n, desc=f"perplexity ctx={ctx}", unit="window", disable=not show_progress) as bar:

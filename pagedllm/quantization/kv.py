@@ -13,9 +13,25 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.errors import InputError
+
 # code dtype and the largest magnitude it holds
 KV_QUANT_DTYPES = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
+# float caches; "auto" = the model's compute dtype
+FLOAT_KV_DTYPES = {"auto": None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SCALE_BYTES = 4  # float32 scale per token and KV head, for K and for V
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype | str:
+    """A torch dtype for a float cache, or "int8" / "fp8" for a quantized one; InputError otherwise."""
+    if name in KV_QUANT_DTYPES:
+        return name
+    if name not in FLOAT_KV_DTYPES:
+        raise InputError(
+            f"kv_cache_dtype must be one of {', '.join([*FLOAT_KV_DTYPES, *KV_QUANT_DTYPES])}; got {name!r}",
+            param="kv_cache_dtype",
+        )
+    return FLOAT_KV_DTYPES[name] or model_dtype
 
 
 @dataclass

@@ -13,10 +13,8 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import CacheConfig, ModelConfig
-from pagedllm.quantization.kv import KV_QUANT_DTYPES, QuantizedKVCache
+from pagedllm.quantization.kv import QuantizedKVCache, resolve_kv_cache_dtype
 from pagedllm.worker.sampler import SamplingBatch, sample
-
-KV_CACHE_DTYPES = {"auto": None, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -33,11 +31,12 @@ class ModelRunner:
         self.config = model_config
         self.block_size = cache_config.block_size
         shape = (cache_config.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
-        kind = cache_config.kv_cache_dtype
-        if kind in KV_QUANT_DTYPES:  # int8 / fp8 codes with per-token, per-head scales
-            self.kv_caches = [QuantizedKVCache.zeros(kind, *shape) for _ in range(model_config.num_layers)]
+        kv_dtype = resolve_kv_cache_dtype(cache_config.kv_cache_dtype, dtype)
+        if isinstance(kv_dtype, str):  # int8 / fp8 codes with per-token, per-head scales
+            self.kv_caches = [
+                QuantizedKVCache.zeros(kv_dtype, *shape) for _ in range(model_config.num_layers)
+            ]
         else:
-            kv_dtype = KV_CACHE_DTYPES.get(kind) or dtype
             # zeroed, not empty: padded decode positions read block 0, and NaN garbage leaks through 0 * NaN
             self.kv_caches = [
                 torch.zeros((2, *shape), dtype=kv_dtype) for _ in range(model_config.num_layers)
