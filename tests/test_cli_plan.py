@@ -121,8 +121,7 @@ def test_gqa_shape_and_batch(capsys):
 
 def test_subprocess_console_script():
     exe = Path(sys.executable).with_name("pagedllm")
-    if not exe.exists():
-        pytest.skip("console script missing: pip install --no-deps -e .")
+    assert exe.exists(), "console script missing: the install (pip install -e .) must provide `pagedllm`"
     ok = subprocess.run(
         [str(exe), "plan", *BIG, "--seq-len", "4096", "--memory", "40GiB", "--json"],
         capture_output=True,

