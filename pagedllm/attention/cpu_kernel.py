@@ -1,18 +1,15 @@
-"""The C++ decode kernel (csrc/paged_decode.cpp), compiled on first use with torch's extension loader.
+"""The C++ decode kernel (csrc/paged_decode.cpp), compiled on first use (pagedllm/cpp_extension.py).
 
-It reads K/V in place through the block tables instead of gathering a padded copy of every context.
-Building needs a C++ compiler and ninja; when either is missing, or PAGEDLLM_NO_CPU_KERNEL=1 is set,
-paged attention falls back to the pure-torch path (the same results within float rounding).
+It reads K/V in place through the block tables instead of gathering a padded copy of every context,
+and writes new K/V into the cache at their slots in one call.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from functools import cache
 from pathlib import Path
 
-logger = logging.getLogger("pagedllm")
+from pagedllm.cpp_extension import load_cpp_extension
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 
@@ -20,20 +17,4 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 @cache
 def load():
     """The compiled module, or None when it cannot be built here."""
-    if os.environ.get("PAGEDLLM_NO_CPU_KERNEL") == "1":
-        return None
-    try:
-        from torch.utils.cpp_extension import load as load_extension
-
-        return load_extension(
-            name="pagedllm_paged_decode",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as e:  # no compiler, no ninja, an unusual platform: the torch path still works
-        logger.warning(
-            "C++ paged decode kernel unavailable (%s); using the torch path", str(e).splitlines()[0]
-        )
-        return None
+    return load_cpp_extension("pagedllm_paged_decode", SOURCE)

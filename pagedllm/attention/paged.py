@@ -21,6 +21,10 @@ def write_kv(kv_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
     if isinstance(kv_cache, QuantizedKVCache):
         kv_cache.write(k, v, slot_mapping)
         return
+    kernel = cpu_kernel.load() if kv_cache.device.type == "cpu" and k.dtype == kv_cache.dtype else None
+    if kernel is not None:
+        kernel.write_kv(k, v, kv_cache, slot_mapping)
+        return
     num_kv_heads, head_dim = k.shape[-2:]
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))

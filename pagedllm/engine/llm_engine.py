@@ -20,6 +20,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.errors import InputError
 from pagedllm.model.build import build_model
+from pagedllm.model.fuse import fuse_for_inference
 from pagedllm.model.loader import resolve_model_path
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -131,6 +132,7 @@ class LLMEngine:
         path = resolve_model_path(model)
         self.model_path = path
         self.model, self.model_config = build_model(path, self.dtype, quantization, show_progress)
+        fuse_for_inference(self.model)
         cfg = self.model_config
         self.tokenizer = Tokenizer.from_checkpoint(path)
 

@@ -13,6 +13,7 @@ from torch import nn
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged import paged_attention, write_kv
 from pagedllm.config import ModelConfig
+from pagedllm.model.layers import cpu_ops
 from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -34,13 +35,24 @@ class LlamaAttention(nn.Module):
             self.num_heads * self.head_dim, d, bias=bias and config.architecture != "qwen2"
         )
         self.scale = self.head_dim**-0.5
+        self.qkv_proj: nn.Module | None = None  # q/k/v in one matmul, set by fuse.py for inference
+        self.qkv_sizes = (self.num_heads * self.head_dim, *(2 * [self.num_kv_heads * self.head_dim]))
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache, meta: AttentionMetadata):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rope)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        ops = cpu_ops.usable(x)
+        if ops is not None:  # in place: q and k are this step's fresh projections
+            ops.rotary_(q, *rope)
+            ops.rotary_(k, *rope)
+        else:
+            q, k = apply_rotary(q, k, *rope)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, -1))
@@ -53,9 +65,18 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=False)
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # gate/up in one matmul, set by fuse.py for inference
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate_up = self.gate_up_proj(x)
+            ops = cpu_ops.usable(gate_up)
+            if ops is not None:
+                return self.down_proj(ops.silu_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -67,8 +88,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+        x, h = self.post_attention_layernorm.add_forward(attn, x)  # x + attn, and its norm in one pass
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):

@@ -147,6 +147,36 @@ class QuantLinear(nn.Module):
         # m = -s*z rounded once (float64 holds s*z exactly); checkpoint.py recovers z = round(-m / s).
         return cls.from_codes(qt.codes, scale.float(), (-scale * z).float(), qt.bits, group_size, bias, name)
 
+    @classmethod
+    def concat(cls, layers: list[QuantLinear], name: str = "") -> QuantLinear:
+        """One layer computing every input layer's outputs side by side (e.g. q, k and v in one call): the
+        stored rows are stacked, so the result is exactly the parts' results concatenated."""
+        first = layers[0]
+        for other in layers[1:]:
+            if (other.in_features, other.bits, other.group_size) != (
+                first.in_features,
+                first.bits,
+                first.group_size,
+            ):
+                raise ValueError(f"cannot concatenate {first.extra_repr()} with {other.extra_repr()}")
+        has_bias = any(m.bias is not None for m in layers)
+        out = cls(
+            first.in_features,
+            sum(m.out_features for m in layers),
+            first.bits,
+            first.group_size,
+            has_bias,
+            name,
+        )
+        out.qweight = torch.cat([m.qweight for m in layers])
+        out.scales = torch.cat([m.scales for m in layers])
+        out.mins = torch.cat([m.mins for m in layers])
+        if has_bias:
+            out.bias = torch.cat(
+                [m.bias if m.bias is not None else torch.zeros(m.out_features) for m in layers]
+            )
+        return out
+
     # ---- what is stored ---------------------------------------------------------------------------------
     @property
     def groups(self) -> int:

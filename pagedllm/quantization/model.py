@@ -120,7 +120,8 @@ def resident_weight_bytes(model: nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     for m in model.modules():
-        if isinstance(m, QuantLinear):
+        # QuantLinear, and model/layers/packed_linear.py's opaque oneDNN layout: they count their own bytes
+        if hasattr(m, "weight_bytes"):
             total += m.weight_bytes()
             continue
         for t in m.parameters(recurse=False):

@@ -173,6 +173,12 @@ class SamplerOutput:
     sampled_ranks: list[int | None]  # 1 = the sampled token was the most likely one
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's maximum, as argmax, but max(dim) is ~2.5x faster on CPU ([32, 49152]
+    float32: 1.0 vs 2.7 ms, a few % of a decode step) and breaks ties and NaNs the same way."""
+    return logits.max(dim=-1).indices
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """logits: float32 [B, V] straight from the model (not modified)."""
     raw_logprobs = None
@@ -183,13 +189,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     logits = apply_penalties(logits, batch)
 
     if batch.all_greedy:
-        sampled = logits.argmax(dim=-1)
+        sampled = greedy(logits)
     else:
         random_sampled = sample_random(logits, batch)
         if batch.all_random:
             sampled = random_sampled
         else:
-            sampled = torch.where(batch.greedy_mask, logits.argmax(dim=-1), random_sampled)
+            sampled = torch.where(batch.greedy_mask, greedy(logits), random_sampled)
 
     token_ids = sampled.tolist()
     if raw_logprobs is None:

@@ -1,7 +1,13 @@
-"""RMSNorm, computed in float32 like the reference implementation so bf16 runs round the same way."""
+"""RMSNorm, computed in float32 like the reference implementation so bf16 runs round the same way.
+
+On the CPU it runs as one C++ call (cpu_ops.py) that rounds where the torch code below rounds; the
+residual add that precedes a norm inside a decoder layer can go with it (`add_forward`).
+"""
 
 import torch
 from torch import nn
+
+from pagedllm.model.layers import cpu_ops
 
 
 class RMSNorm(nn.Module):
@@ -11,6 +17,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self._ops(x)
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return self._norm(x)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, norm(residual + x)); neither input is modified."""
+        ops = self._ops(x)
+        if ops is not None:
+            total, normed = ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return total, normed
+        total = residual + x
+        return total, self._norm(total)
+
+    def _ops(self, x: torch.Tensor):
+        if x.dim() != 2 or x.stride(-1) != 1 or self.weight.dtype != x.dtype:
+            return None
+        return cpu_ops.usable(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -1,0 +1,152 @@
+"""The C++ CPU kernels against the torch code they replace.
+
+layer_ops (RMSNorm, residual add + RMSNorm, SiLU-and-multiply, rotary) must round exactly where the torch
+code rounds: in bf16 they are compared bit for bit, since one ulp here and there moves greedy tokens.
+The decode kernel and write_kv are compared with a dense float32 reference and with index_copy_.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention import cpu_kernel
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.paged import decode_torch, write_kv
+from pagedllm.model.layers import cpu_ops
+from pagedllm.model.layers.norm import RMSNorm
+from pagedllm.model.layers.rotary import RotaryEmbedding, apply_rotary
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    mod = cpu_ops.load()
+    assert mod is not None, (
+        "the C++ layer ops did not build (compiler and ninja are installed by the Makefile)"
+    )
+    return mod
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    mod = cpu_kernel.load()
+    assert mod is not None, "the C++ paged decode kernel did not build"
+    return mod
+
+
+def torch_rms_norm(x, weight, eps):
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def assert_same(a, b, dtype):
+    if dtype == torch.bfloat16:
+        assert torch.equal(a, b), f"{(a != b).sum().item()} elements differ"
+    else:  # float32: the C++ may fuse a multiply-add where torch rounds twice
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_norms_round_like_torch(ops, dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=gen) * 3).to(dtype)
+    residual = (torch.randn(rows, 576, generator=gen) * 20).to(dtype)
+    weight = torch.randn(576, generator=gen).to(dtype)
+    assert_same(ops.rms_norm(x, weight, 1e-5), torch_rms_norm(x, weight, 1e-5), dtype)
+    total, normed = ops.add_rms_norm(x, residual, weight, 1e-5)
+    assert_same(total, residual + x, dtype)
+    assert_same(normed, torch_rms_norm(residual + x, weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_module_uses_the_kernel_and_leaves_inputs_alone(ops, dtype):
+    norm = RMSNorm(96, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x, residual = torch.randn(5, 96).to(dtype), torch.randn(5, 96).to(dtype)
+    x0, r0 = x.clone(), residual.clone()
+    total, normed = norm.add_forward(x, residual)
+    assert torch.equal(x, x0) and torch.equal(residual, r0)
+    assert_same(normed, torch_rms_norm(r0 + x0, norm.weight, 1e-6), dtype)
+    # a row-strided view (a slice of a wider tensor) goes through too
+    wide = torch.randn(5, 200).to(dtype)
+    assert_same(norm(wide[:, :96]), torch_rms_norm(wide[:, :96], norm.weight, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_rounds_like_torch(ops, dtype):
+    gate_up = (torch.randn(33, 2 * 1536, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert_same(ops.silu_mul(gate_up), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_views_of_a_fused_projection(ops, dtype):
+    t, heads, kv_heads, hd = 37, 9, 3, 64
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * hd, generator=torch.Generator().manual_seed(4)).to(dtype)
+    q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    q, k, v = q.view(t, heads, hd), k.view(t, kv_heads, hd), v.view(t, kv_heads, hd)
+    v0 = v.clone()
+    cos, sin = RotaryEmbedding(hd, 4096, 10000.0).cos_sin(torch.arange(t) * 37, dtype)
+    want_q, want_k = apply_rotary(q, k, cos, sin)
+    ops.rotary_(q, cos, sin)
+    ops.rotary_(k, cos, sin)
+    assert_same(q, want_q, dtype)
+    assert_same(k, want_k, dtype)
+    assert torch.equal(v, v0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_kernel_equals_index_copy(kernel, dtype):
+    gen = torch.Generator().manual_seed(5)
+    kv = torch.randn(11, 6 * 32, generator=gen).to(dtype)  # k and v side by side, like a fused projection
+    k, v = kv[:, :96].view(11, 3, 32), kv[:, 96:].view(11, 3, 32)
+    slots = torch.randperm(8 * 16, generator=gen)[:11]
+    got = torch.zeros(2, 8, 16, 3, 32, dtype=dtype)
+    kernel.write_kv(k, v, got, slots)
+    want = torch.zeros_like(got)
+    want[0].view(-1, 3, 32).index_copy_(0, slots, k)
+    want[1].view(-1, 3, 32).index_copy_(0, slots, v)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernel.write_kv(k, v, got, slots + 1000)
+
+
+def test_write_kv_uses_the_kernel_for_a_plain_cache(kernel, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_kernel, "load", lambda: type("K", (), {"write_kv": lambda *a: calls.append(a)})())
+    write_kv(torch.zeros(2, 2, 16, 1, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), torch.tensor([3]))
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("lens", [[1, 15, 16, 17], [100, 300, 7, 64, 33]])
+def test_bf16_decode_kernel_against_float32_reference(kernel, lens):
+    """The bf16 path (AVX512-BF16 where the CPU has it) on scattered, partly shared blocks."""
+    gen = torch.Generator().manual_seed(sum(lens))
+    bs, heads, kv_heads, hd = 16, 9, 3, 64
+    nblocks = [-(-n // bs) for n in lens]
+    num_blocks = sum(nblocks) + 4
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables, pos = torch.zeros(len(lens), max(nblocks), dtype=torch.long), 0
+    for i, nb in enumerate(nblocks):
+        tables[i, :nb] = torch.tensor(ids[pos : pos + nb])
+        pos += nb
+    tables[1, 0] = tables[0, 0]  # two sequences read the same physical block
+    cache = torch.randn(2, num_blocks, bs, kv_heads, hd, generator=gen).bfloat16()
+    q = torch.randn(len(lens), heads, hd, generator=gen).bfloat16()
+    seq_lens = torch.tensor(lens)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        query_start_loc=list(range(len(lens) + 1)),
+        seq_lens=lens,
+        block_tables=tables,
+        num_decodes=len(lens),
+        seq_lens_tensor=seq_lens,
+        block_size=bs,
+    )
+    want = decode_torch(q.float(), cache.float(), meta, hd**-0.5)
+    got = kernel.paged_decode(q, cache, tables, seq_lens, hd**-0.5)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
