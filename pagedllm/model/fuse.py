@@ -82,4 +82,8 @@ def fuse_for_inference(model: nn.Module) -> None:
                     child = getattr(parent, name, None)
                     if child is not None:
                         setattr(parent, name, prepack(child))
+    if pack:
+        # the largest matmul of a decode step. A tied lm_head gets its own packed copy of the embedding
+        # (+56 MB on the default model, counted by resident_weight_bytes): 17 -> 12 ms at 32 rows, 1 thread
+        model.lm_head = prepack(model.lm_head)
     logger.debug("fused %d projection groups; bf16 weights prepacked: %s", merged, pack)
