@@ -123,7 +123,7 @@ def test_write_kv_uses_the_kernel_for_a_plain_cache(kernel, monkeypatch):
 
 @pytest.mark.parametrize("lens", [[1, 15, 16, 17], [100, 300, 7, 64, 33]])
 def test_bf16_decode_kernel_against_float32_reference(kernel, lens):
-    """The bf16 path (AVX512-BF16 where the CPU has it) on scattered, partly shared blocks."""
+    """bf16 K/V read in place through scattered, partly shared blocks (with prefetching ahead)."""
     gen = torch.Generator().manual_seed(sum(lens))
     bs, heads, kv_heads, hd = 16, 9, 3, 64
     nblocks = [-(-n // bs) for n in lens]
