@@ -38,19 +38,20 @@ def test_gptq_without_correlation_is_exactly_rtn():
     """H = I spreads no error: the codes, scales and zeros must be RTN's, bit for bit (same format)."""
     w, _ = correlated_problem()
     for g in (32, None):
-        qt = gptq_quantize_weight(w, torch.eye(w.shape[1]), bits=4, group_size=g, damp=0.0)
+        qt = gptq_quantize_weight(w, torch.eye(w.shape[1]), bits=4, group_size=g, damp=0.0, ranges="minmax")
         ref = quantize(w, 4, axis=-1, group_size=g) if g else quantize(w, 4, axis=0)
         assert torch.equal(qt.codes, ref.codes) and qt.codes.dtype == torch.uint8
         assert torch.equal(qt.scale, ref.scale) and torch.equal(qt.zero_point, ref.zero_point)
         assert (qt.axis, qt.group_size) == (ref.axis, ref.group_size)
 
 
+@pytest.mark.parametrize("ranges", ["minmax", "search"])
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("group_size", [32, None])
-def test_gptq_beats_rtn_on_a_correlated_problem(act_order, group_size):
+def test_gptq_beats_rtn_on_a_correlated_problem(act_order, group_size, ranges):
     w, x = correlated_problem()
     h = 2 * x.T @ x / x.shape[0]
-    qt = gptq_quantize_weight(w, h, bits=3, group_size=group_size, act_order=act_order, block_size=64)
+    qt = gptq_quantize_weight(w, h, 3, group_size, act_order=act_order, block_size=64, ranges=ranges)
     assert qt.codes.max() <= 7
     rtn = fake_quantize(w, 3, axis=-1, group_size=group_size) if group_size else fake_quantize(w, 3, axis=0)
     assert out_err(x, w, dequantize(qt)) < 0.95 * out_err(x, w, rtn)
@@ -71,6 +72,8 @@ def test_gptq_rejects_bad_arguments():
         gptq_quantize_weight(w, x.T @ x, bits=4, group_size=48)
     with pytest.raises(InputError, match="bits"):
         gptq_quantize_weight(w, x.T @ x, bits=1)
+    with pytest.raises(InputError, match="ranges must be one of minmax, shrink, search"):
+        gptq_quantize_weight(w, x.T @ x, bits=4, ranges="mse")
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +176,128 @@ def test_gptq_beats_rtn_on_a_real_layer(layer3, act_order):
     qts = gptq_quantize_layer(work, xs, rotary, bits=4, group_size=32, act_order=act_order)
     gptq = layer_error(work, qts, xs, ref, rotary)
     assert gptq < 0.8 * rtn, (gptq, rtn)
+
+
+# --- act-order, true-sequential, AWQ options ----------------------------------------------------------
+
+
+def test_gptq_act_order_is_the_default():
+    import inspect
+
+    from pagedllm.quantization.gptq import gptq_quantize_layer
+
+    for fn in (gptq_quantize_weight, gptq_quantize_layer, gptq_quantize_model):
+        assert inspect.signature(fn).parameters["act_order"].default is True, fn.__name__
+
+
+def test_gptq_act_order_uses_each_columns_own_stored_group():
+    """Act-order visits columns by decreasing diag(H), but every column must use the (s, z) of its own
+    contiguous group in the stored layout. With a diagonal H no error spreads, so the result must be
+    RTN's bit for bit whatever the visiting order; a mix-up of groups would show."""
+    w, _ = correlated_problem()
+    d = torch.rand(w.shape[1], generator=torch.Generator().manual_seed(1)) * 10 + 0.1
+    qt = gptq_quantize_weight(w, torch.diag(d), 4, 32, act_order=True, damp=0.0, ranges="minmax")
+    ref = quantize(w, 4, axis=-1, group_size=32)
+    assert torch.equal(qt.codes, ref.codes)
+    assert torch.equal(qt.scale, ref.scale) and torch.equal(qt.zero_point, ref.zero_point)
+
+
+def test_gptq_true_sequential_leaves_the_layer_and_sees_quantized_inputs(tiny_model):
+    from pagedllm.quantization.gptq import gptq_quantize_layer
+
+    xs = layer0_inputs(tiny_model, tiny_calib())
+    rotary = float_rotary(tiny_model)
+    layer = copy.deepcopy(tiny_model.model.layers[1])
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    seq = gptq_quantize_layer(layer, xs, rotary, bits=3, group_size=16, true_sequential=True)
+    for k, v in layer.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    flat = gptq_quantize_layer(layer, xs, rotary, bits=3, group_size=16, true_sequential=False)
+    # q/k/v read the same (float) input either way; o_proj's input comes from quantized q/k/v only in
+    # true-sequential mode
+    assert torch.equal(seq["self_attn.q_proj"].codes, flat["self_attn.q_proj"].codes)
+    assert not torch.equal(seq["self_attn.o_proj"].codes, flat["self_attn.o_proj"].codes)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(duo_scaling=False, block_objective=False, scale_o=False, clip_asymmetric=False),
+        dict(duo_scaling=True, block_objective=False, scale_o=True),
+    ],
+)
+def test_awq_options_keep_the_float_layer_function(tmp_path, options):
+    """Every fold (norms, v_proj rows and bias for o_proj under grouped-query attention, up_proj rows)
+    must leave the float layer computing the same function."""
+    path = save_tiny_llama(tmp_path / "tiny", attention_bias=True)
+    ckpt = load_checkpoint(path, show_progress=False)
+    model = LlamaForCausalLM.from_weights(ckpt.config, ckpt.weights, torch.float32)
+    assert model.config.num_kv_heads < model.config.num_heads
+    xs = layer0_inputs(model, tiny_calib())
+    rotary = float_rotary(model)
+    layer = model.model.layers[0]
+    scaled = copy.deepcopy(layer)
+    awq_quantize_layer(scaled, xs, rotary, bits=3, group_size=16, **options)
+    assert not torch.allclose(scaled.input_layernorm.weight, layer.input_layernorm.weight)
+    if options.get("scale_o", False):
+        assert not torch.allclose(scaled.self_attn.v_proj.bias, layer.self_attn.v_proj.bias)
+    with torch.no_grad():
+        for x in xs:
+            torch.testing.assert_close(
+                run_layer(scaled, x, rotary), run_layer(layer, x, rotary), rtol=1e-4, atol=1e-4
+            )
+
+
+def test_quantize_cli_act_order_flag(capsys, tmp_path, monkeypatch):
+    """--no-act-order reaches gptq_quantize_model; with another method it is an input error (exit 2)."""
+    import pagedllm.quantization.gptq as gptq
+    from pagedllm.entrypoints.cli.main import main
+
+    path = save_tiny_llama(tmp_path / "tiny")
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(["the quick brown fox jumps over the lazy dog"] * 200))
+    seen = {}
+
+    def fake(model, calib, bits, group_size, show_progress, **kwargs):
+        seen.update(kwargs)
+        return gptq_quantize_model(model, calib[:1], bits, group_size, show_progress=False, **kwargs)
+
+    monkeypatch.setattr(gptq, "gptq_quantize_model", fake)
+
+    def cli(*argv):
+        try:
+            rc = main(list(argv))
+        except SystemExit as e:
+            rc = e.code
+        return rc, capsys.readouterr().err
+
+    base = ["quantize", "--model", str(path), "--calib", str(calib), "--num-samples", "2", "--seq-len", "16"]
+    assert cli(*base, "--method", "gptq", "--out", str(tmp_path / "a"), "--quiet")[0] == 0
+    assert seen == {"act_order": True}
+    assert cli(*base, "--method", "gptq", "--no-act-order", "--out", str(tmp_path / "b"), "--quiet")[0] == 0
+    assert seen == {"act_order": False}
+    rc, err = cli(*base, "--method", "awq", "--no-act-order", "--out", str(tmp_path / "c"), "--quiet")
+    assert rc == 2 and "--no-act-order applies to --method gptq only" in err, err
+
+
+@pytest.mark.parametrize("asymmetric", [False, True, "pairs"])
+def test_range_search_never_worse_than_minmax_and_keeps_ranges_valid(asymmetric):
+    from pagedllm.quantization.calib import quantize_weight, search_ranges
+
+    w, x = correlated_problem()
+    w[:4] = w[:4].abs() + 0.5  # rows whose groups are all positive: the two ends could cross
+    w[4:8] = -w[4:8].abs() - 0.5
+    gram = x.T @ x
+    for g in (32, None):
+        lo, hi = search_ranges(w, gram, 4, g, asymmetric=asymmetric)
+        assert (lo <= hi).all()
+        gs = g or w.shape[1]
+
+        def objective(w_hat, gs=gs):  # what the search minimises: each group's error on its own inputs
+            d = (w_hat - w).reshape(w.shape[0], -1, gs)
+            xg = x.reshape(x.shape[0], -1, gs)
+            return torch.einsum("tgk,ogk->tog", xg, d).pow(2).sum().item()
+
+        found = objective(dequantize(quantize_weight(w, 4, g, lo, hi)))
+        assert found <= objective(dequantize(quantize_weight(w, 4, g))) * (1 + 1e-5)

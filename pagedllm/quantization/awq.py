@@ -4,22 +4,27 @@ A few input channels carry much larger activations than the rest, and the weight
 most. Scaling those weight columns up by s (and the activations down by 1/s, folded into whatever
 produces them) gives them a finer share of the quantization grid at no cost in float:
 
-    y = (x / s) (W diag(s))^T      s = mean|x|^alpha, alpha picked from a grid on [0, 1]
+    y = (x / s) (W diag(s))^T      s = mean|x|^alpha, alpha picked from a grid on [0, 1)
 
-alpha = 0 is plain round-to-nearest, so the search can only improve on it. Groups of linears that share an
-input share s:
+s = 1 (plain round-to-nearest) is always a candidate, so the search can only improve on it. Groups of
+linears that share an input share s:
     q/k/v  after input_layernorm          (1/s folded into the norm weight)
     gate/up after post_attention_layernorm (1/s folded into the norm weight)
     down   after up_proj                  (1/s folded into up_proj's rows: silu(g) * (u/s) = (silu(g)*u)/s)
-o_proj is left unscaled: with grouped-query attention v_proj has fewer outputs than o_proj has inputs.
+As in the reference, the q/k/v scales are judged on the attention block's output and the gate/up scales
+on the MLP's output (block_objective), down_proj's on its own output. o_proj is left unscaled by default:
+with grouped-query attention v_proj has fewer outputs than o_proj has inputs, so s must be shared by
+the query heads of one KV head (scale_o does that; it did not pay on the default model). AutoAWQ's
+duo_scaling (s = mean|x|^a / mean|w|^(1-a)) is an option too (it did not pay either).
 
-Then a clipping search shrinks each group's [min, max] range (values beyond it saturate) where that
-lowers the group's output error; q/k are not clipped (as in llm-awq: it hurts attention scores).
+Then a clipping search picks each group's [rmin, rmax] (values beyond saturate) where that lowers the
+group's output error: both ends scaled by one factor on the grid 1, 0.95, ... 0.55 (the reference's
+search) and every pair of factors for the two ends (clip_asymmetric, calib.search_ranges), which also
+chooses where the integer zero point puts the grid. q/k are not clipped (as in llm-awq: it hurts attention scores).
 
-Errors are measured with Gram matrices G = X^T X of the calibration inputs: ||X (W - W_q)^T||^2 =
-sum((D G) * D) with D = W - W_q, exact over every calibration token and cheaper than re-running the
-matmuls when in_features < tokens. The scale objective is the group's linear outputs (q/k/v or gate/up
-concatenated) rather than the attention or MLP block output: blocks need whole sequences and cost ~5x.
+Linear-output errors are measured with Gram matrices G = X^T X of the calibration inputs:
+||X (W - W_q)^T||^2 = sum((D G) * D) with D = W - W_q, exact over every calibration token and cheaper
+than re-running the matmuls when in_features < tokens.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ from torch import nn
 from pagedllm.quantization.calib import (
     check_group_size,
     collect_inputs,
+    prefill_metadata,
     quantize_layers,
     quantize_weight,
+    search_ranges,
 )
 from pagedllm.quantization.uniform import QuantizedTensor, check_bits, dequantize
 
@@ -44,6 +51,36 @@ def output_error(d: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     return ((d @ gram) * d).sum()
 
 
+def weight_mean(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """Mean over output rows of |w| normalised by its quantization group's max |w|: [in] (AutoAWQ's w_mean)."""
+    out_f, in_f = w.shape
+    g = w.abs().reshape(out_f, -1, group_size or in_f)
+    return (g / (g.amax(-1, keepdim=True) + 1e-6)).reshape(out_f, in_f).mean(0)
+
+
+def candidate_scales(act_mean: torch.Tensor, w_mean: torch.Tensor | None, n_grid: int) -> list[torch.Tensor]:
+    """The grid of per-input-channel scales: act_mean^a (or act_mean^a / w_mean^(1-a)), a in [0, 1).
+
+    Each is centred around 1 (the quantization grid only cares about ratios). s = 1 (plain
+    round-to-nearest: a = 0 without w_mean, added with it) is always a candidate, so the search never
+    does worse than RTN on its objective.
+    """
+    out = [torch.ones_like(act_mean)] if w_mean is not None else []
+    for i in range(n_grid):
+        a = i / n_grid
+        s = act_mean.pow(a)
+        if w_mean is not None:
+            s = s / (w_mean.pow(1 - a) + 1e-4)
+        s = s.clamp(min=1e-4)
+        out.append(s / (s.max() * s.min()).sqrt())
+    return out
+
+
+def fake_quantize_scaled(w: torch.Tensor, s: torch.Tensor, bits: int, group_size: int | None) -> torch.Tensor:
+    """Q(W diag(s)) diag(s)^-1: the weight the float input x sees once s is folded into the layer."""
+    return dequantize(quantize_weight(w * s, bits, group_size)) / s
+
+
 def search_scales(
     w: torch.Tensor,
     gram: torch.Tensor,
@@ -51,64 +88,30 @@ def search_scales(
     bits: int,
     group_size: int | None,
     n_grid: int = 20,
+    w_mean: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-input-channel s = act_mean^alpha that minimises ||X W^T - X (Q(W s) / s)^T||^2 over the grid."""
+    """Per-input-channel scales from candidate_scales minimising ||X W^T - X (Q(W s) / s)^T||^2."""
     best_err, best_s = float("inf"), torch.ones_like(act_mean)
-    for alpha in torch.linspace(0, 1, n_grid).tolist():
-        s = act_mean.pow(alpha).clamp(min=1e-4)
-        s = s / (s.max() * s.min()).sqrt()  # centre the scales around 1: the grid only cares about ratios
-        w_q = dequantize(quantize_weight(w * s, bits, group_size)) / s
-        err = output_error(w_q - w, gram).item()
+    for s in candidate_scales(act_mean, w_mean, n_grid):
+        err = output_error(fake_quantize_scaled(w, s, bits, group_size) - w, gram).item()
         if err < best_err:
             best_err, best_s = err, s
     return best_s
 
 
-def search_clip(
-    w: torch.Tensor,
-    gram: torch.Tensor,
-    bits: int,
-    group_size: int | None,
-    n_grid: int = 20,
-    max_shrink: float = 0.5,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-group ranges (rmin, rmax), shrunk by up to max_shrink, minimising each group's partial output error.
-
-    Each group's error is d_g^T G_g d_g with G_g the diagonal block of the Gram matrix for its input
-    channels: the groups are chosen independently, as in llm-awq.
-    """
-    out_f, in_f = w.shape
-    gs = group_size or in_f
-    ng = in_f // gs
-    # diagonal blocks [ng, gs, gs] of G
-    blocks = gram.reshape(ng, gs, ng, gs).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
-    wg = w.reshape(out_f, ng, gs)
-    lo, hi = wg.amin(-1), wg.amax(-1)
-    best_err = torch.full((out_f, ng), float("inf"))
-    best_lo, best_hi = lo.clone(), hi.clone()
-    for i in range(int(max_shrink * n_grid)):
-        r = 1 - i / n_grid
-        rmin, rmax = lo * r, hi * r
-        if not group_size:
-            rmin, rmax = rmin[:, 0], rmax[:, 0]
-        d = (dequantize(quantize_weight(w, bits, group_size, rmin, rmax)) - w).reshape(out_f, ng, gs)
-        err = (torch.einsum("ogk,gkl->ogl", d, blocks) * d).sum(-1)
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best_lo = torch.where(better, lo * r, best_lo)
-        best_hi = torch.where(better, hi * r, best_hi)
-    if not group_size:
-        return best_lo[:, 0], best_hi[:, 0]
-    return best_lo, best_hi
+# AWQ's clipping search: per-group ranges shrunk where that lowers each group's partial output error
+# (calib.search_ranges; the groups are chosen independently, as in llm-awq)
+search_clip = search_ranges
 
 
 class _Stats:
-    """Running Gram matrix and mean |x| per input channel of one linear's input."""
+    """Running Gram matrix and mean |x| per input channel of one linear's input (and the inputs, if kept)."""
 
-    def __init__(self):
+    def __init__(self, keep: bool = False):
         self.gram: torch.Tensor | None = None
         self.abs_sum: torch.Tensor | None = None
         self.count = 0
+        self.samples: list[torch.Tensor] | None = [] if keep else None
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
@@ -116,10 +119,27 @@ class _Stats:
         self.gram = g if self.gram is None else self.gram + g
         self.abs_sum = a if self.abs_sum is None else self.abs_sum + a
         self.count += x.shape[0]
+        if self.samples is not None:
+            self.samples.append(x)
 
     @property
     def act_mean(self) -> torch.Tensor:
         return self.abs_sum / self.count
+
+
+def _attention(attn: nn.Module, x: torch.Tensor, rotary) -> torch.Tensor:
+    """The attention module alone on one whole sequence x [T, hidden] (already normed), fresh KV cache."""
+    meta, num_blocks = prefill_metadata(x.shape[0])
+    cache = torch.zeros(2, num_blocks, meta.block_size, attn.num_kv_heads, attn.head_dim, dtype=x.dtype)
+    return attn(x, rotary.cos_sin(torch.arange(x.shape[0]), x.dtype), cache, meta)
+
+
+def _spread_tokens(samples: list[torch.Tensor], n: int) -> torch.Tensor:
+    """At most n tokens, evenly spaced over all samples' tokens."""
+    x = torch.cat(samples)
+    if x.shape[0] <= n:
+        return x
+    return x[torch.linspace(0, x.shape[0] - 1, n).long()]
 
 
 def awq_quantize_layer(
@@ -130,36 +150,101 @@ def awq_quantize_layer(
     group_size: int | None = 32,
     n_grid: int = 20,
     clip: bool = True,
+    duo_scaling: bool = False,
+    block_objective: bool = True,
+    block_tokens: int = 2048,
+    scale_o: bool = False,
+    clip_asymmetric: bool | str = "pairs",
+    clip_grid: int | None = None,
 ) -> dict[str, QuantizedTensor]:
     """AWQ on one float32 decoder layer, in place: scales folded into its norms/weights, returns the codes.
 
     Returned names are relative to the layer ("self_attn.q_proj", ...); dequantizing them and putting
     the result in the (already scaled) layer gives the quantized layer.
+
+    duo_scaling: candidates act_mean^a / w_mean^(1-a) (AutoAWQ's default) instead of act_mean^a.
+    block_objective: q/k/v scales are judged on the attention output and gate/up scales on the MLP output
+    (on block_tokens evenly spaced tokens), as in the reference; otherwise on the linears' own outputs.
+    scale_o: also scale o_proj, folding 1/s into v_proj's rows; with grouped-query attention the scales
+    are shared by the query heads that read one KV head (averaged statistics).
+    clip_asymmetric: "pairs" tries every pair of factors for the two range ends (the default: on the
+    default model it beat True, the cheaper coordinate search: after the symmetric grid each end alone;
+    False is the reference's symmetric grid only; calib.search_ranges);
+    clip_grid: that grid's resolution (default n_grid: steps of 1/20 down to half the range).
     """
-    stats = {n: _Stats() for n in _INPUTS}
+    keep = {"self_attn.q_proj", "mlp.gate_proj"} if block_objective else set()
+    stats = {n: _Stats(keep=n in keep) for n in _INPUTS}
     collect_inputs(layer, xs, rotary, _INPUTS, on_input=lambda n, x: stats[n].add(x))
     attn, mlp = layer.self_attn, layer.mlp
     grams = {n: st.gram for n, st in stats.items()}
 
-    def scale_group(linears: list[nn.Linear], inp: str, fold) -> None:
-        w = torch.cat([m.weight for m in linears])
-        s = search_scales(w, grams[inp], stats[inp].act_mean, bits, group_size, n_grid)
-        with torch.no_grad():
-            for m in linears:
-                m.weight.mul_(s)  # columns: W diag(s)
-            fold(s)
+    def search(linears: list[nn.Linear], inp: str, act_mean: torch.Tensor, w_mean, block) -> torch.Tensor:
+        w = torch.cat([m.weight for m in linears]).detach()
+        cands = candidate_scales(act_mean, w_mean, n_grid)
+        if block is None:  # the linears' own outputs, exactly, through the Gram matrix
+            errs = [
+                output_error(fake_quantize_scaled(w, c, bits, group_size) - w, grams[inp]).item()
+                for c in cands
+            ]
+            return cands[min(range(len(cands)), key=errs.__getitem__)]
+        inputs, run = block
+        originals = [m.weight.detach().clone() for m in linears]
+        ref = [run(x) for x in inputs]
+        best_err, best = float("inf"), cands[0]
+        try:
+            for c in cands:
+                for m, w0 in zip(linears, originals):
+                    m.weight.copy_(fake_quantize_scaled(w0, c, bits, group_size))
+                err = sum(((run(x) - r) ** 2).sum().item() for x, r in zip(inputs, ref))
+                if err < best_err:
+                    best_err, best = err, c
+        finally:
+            for m, w0 in zip(linears, originals):
+                m.weight.copy_(w0)
+        return best
+
+    def scale_group(linears, inp: str, fold, act_mean=None, block=None) -> None:
+        act_mean = stats[inp].act_mean if act_mean is None else act_mean
+        w_mean = (
+            weight_mean(torch.cat([m.weight for m in linears]).detach(), group_size) if duo_scaling else None
+        )
+        if w_mean is not None and linears[0] is attn.o_proj:
+            w_mean = _share_heads(w_mean, attn)
+        s = search(linears, inp, act_mean, w_mean, block)
+        for m in linears:
+            m.weight.mul_(s)  # columns: W diag(s)
+        fold(s)
         grams[inp] = grams[inp] / torch.outer(s, s)  # the Gram matrix of the scaled inputs X / s
 
+    def fold_v(s: torch.Tensor) -> None:
+        per_kv = s.view(attn.num_kv_heads, -1, attn.head_dim)[:, 0].reshape(-1)
+        attn.v_proj.weight.div_(per_kv[:, None])
+        if attn.v_proj.bias is not None:
+            attn.v_proj.bias.div_(per_kv)
+
     with torch.no_grad():
+        attn_block = mlp_block = None
+        if block_objective:
+            attn_block = (stats["self_attn.q_proj"].samples, lambda x: _attention(attn, x, rotary))
+            mlp_block = ([_spread_tokens(stats["mlp.gate_proj"].samples, block_tokens)], mlp)
         scale_group(
             [attn.q_proj, attn.k_proj, attn.v_proj],
             "self_attn.q_proj",
             lambda s: layer.input_layernorm.weight.div_(s),
+            block=attn_block,
         )
+        if scale_o:
+            scale_group(
+                [attn.o_proj],
+                "self_attn.o_proj",
+                fold_v,
+                act_mean=_share_heads(stats["self_attn.o_proj"].act_mean, attn),
+            )
         scale_group(
             [mlp.gate_proj, mlp.up_proj],
             "mlp.gate_proj",
             lambda s: layer.post_attention_layernorm.weight.div_(s),
+            block=mlp_block,
         )
         scale_group([mlp.down_proj], "mlp.down_proj", lambda s: mlp.up_proj.weight.div_(s[:, None]))
 
@@ -176,9 +261,17 @@ def awq_quantize_layer(
             w = modules[name].weight.detach()
             rng = (None, None)
             if clip and not name.endswith(("q_proj", "k_proj")):
-                rng = search_clip(w, grams[inp], bits, group_size, n_grid)
+                rng = search_clip(
+                    w, grams[inp], bits, group_size, clip_grid or n_grid, asymmetric=clip_asymmetric
+                )
             out[name] = quantize_weight(w, bits, group_size, *rng)
     return out
+
+
+def _share_heads(v: torch.Tensor, attn: nn.Module) -> torch.Tensor:
+    """Average a per-o_proj-input vector [heads * head_dim] over the query heads sharing a KV head."""
+    kv = v.view(attn.num_kv_heads, -1, attn.head_dim)
+    return kv.mean(1, keepdim=True).expand_as(kv).reshape(-1)
 
 
 def awq_quantize_model(
@@ -189,20 +282,40 @@ def awq_quantize_model(
     n_grid: int = 20,
     clip: bool = True,
     show_progress: bool = True,
+    duo_scaling: bool = False,
+    block_objective: bool = True,
+    scale_o: bool = False,
+    clip_asymmetric: bool | str = "pairs",
+    next_inputs: str = "quantized",
 ) -> dict[str, QuantizedTensor]:
     """AWQ for every decoder layer; returns {"model.layers.i.self_attn.q_proj": QuantizedTensor, ...}.
 
-    Changes the model in place: the scales are folded into the RMSNorm weights, up_proj rows and the
-    linears' weights (the float model computes the same function). Swap the linears for quantized ones
-    built from the result, e.g. weight = dequantize(qt).
+    Changes the model in place: the scales are folded into the RMSNorm weights, v_proj and up_proj rows
+    and the linears' weights (the float model computes the same function). Swap the linears for quantized
+    ones built from the result, e.g. weight = dequantize(qt). Options: awq_quantize_layer;
+    next_inputs: see calib.quantize_layers.
     """
     check_bits(bits)
     check_group_size(model, group_size)
 
     def one(layer, xs, rotary):
-        return awq_quantize_layer(layer, xs, rotary, bits, group_size, n_grid, clip)
+        return awq_quantize_layer(
+            layer,
+            xs,
+            rotary,
+            bits,
+            group_size,
+            n_grid,
+            clip,
+            duo_scaling=duo_scaling,
+            block_objective=block_objective,
+            scale_o=scale_o,
+            clip_asymmetric=clip_asymmetric,
+        )
 
-    return quantize_layers(model, calib, one, desc=f"AWQ int{bits}", show_progress=show_progress)
+    return quantize_layers(
+        model, calib, one, desc=f"AWQ int{bits}", show_progress=show_progress, next_inputs=next_inputs
+    )
 
 
 __all__ = ["awq_quantize_model", "awq_quantize_layer", "search_scales", "search_clip"]

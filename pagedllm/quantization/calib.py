@@ -19,7 +19,7 @@ from tqdm import tqdm
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.errors import InputError
 from pagedllm.model.layers.rotary import RotaryEmbedding
-from pagedllm.quantization.uniform import QuantizedTensor, dequantize, qparams, quantize
+from pagedllm.quantization.uniform import QuantizedTensor, dequantize, qparams, quantize, round_half_up
 
 # The linears of one Llama decoder layer, in the order data flows through them.
 LINEARS = (
@@ -99,27 +99,44 @@ def float_rotary(model: nn.Module) -> RotaryEmbedding:
     return rotary.float()
 
 
+class _StopForward(Exception):
+    """Raised by collect_inputs' hooks once every wanted input of a sample is seen (the rest is not needed)."""
+
+
 def collect_inputs(
     layer: nn.Module,
     xs: list[torch.Tensor],
     rotary: RotaryEmbedding,
     names: tuple[str, ...] = LINEARS,
     on_input: Callable[[str, torch.Tensor], None] | None = None,
+    stop_early: bool = False,
 ) -> dict[str, torch.Tensor] | None:
     """Run the layer over every sample and hand each named linear's input [T, in] to on_input.
 
     Without on_input the inputs are concatenated over samples and returned (name -> [all T, in]).
+    stop_early ends each sample's forward as soon as all named linears have been reached (e.g. only
+    q_proj's input needs just the input norm), which matters when a layer is run once per linear group.
     """
     store: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     sink = on_input or (lambda name, x: store[name].append(x))
     modules = dict(layer.named_modules())
-    hooks = [
-        modules[n].register_forward_hook(lambda m, args, out, n=n: sink(n, args[0].detach())) for n in names
-    ]
+    seen: set[str] = set()
+
+    def hook(name: str, x: torch.Tensor) -> None:
+        sink(name, x.detach())
+        seen.add(name)
+        if stop_early and len(seen) == len(names):
+            raise _StopForward
+
+    hooks = [modules[n].register_forward_hook(lambda m, args, out, n=n: hook(n, args[0])) for n in names]
     try:
         with torch.no_grad():
             for x in xs:
-                run_layer(layer, x, rotary)
+                seen.clear()
+                try:
+                    run_layer(layer, x, rotary)
+                except _StopForward:
+                    pass
     finally:
         for h in hooks:
             h.remove()
@@ -135,13 +152,18 @@ def quantize_layers(
     quantize_layer: LayerFn,
     desc: str,
     show_progress: bool = True,
+    next_inputs: str = "quantized",
 ) -> dict[str, QuantizedTensor]:
     """The sequential driver: quantize_layer(fp32 copy of layer i, its inputs, rotary) -> {rel name: qt}.
 
     quantize_layer may change the copy's parameters in ways that keep the float layer's function (AWQ
     folds scales into norms and weights); those changes are written back into the model, in its dtype.
     The model's linears keep float weights: the caller swaps in quantized linears from the result.
+    next_inputs: "quantized" runs the quantized layer to make the next layer's inputs (each layer is
+    calibrated on what it will really see); "float" runs the float layer (as llm-awq does).
     """
+    if next_inputs not in ("quantized", "float"):
+        raise InputError(f"next_inputs must be 'quantized' or 'float', got {next_inputs!r}", "next_inputs")
     if not calib:
         raise InputError("calibration needs at least one sample", param="calib")
     xs = layer0_inputs(model, calib)
@@ -154,10 +176,10 @@ def quantize_layers(
         with torch.no_grad():
             for p_model, p_work in zip(layer.parameters(), work.parameters()):
                 p_model.copy_(p_work.to(p_model.dtype))
-            # the next layer sees what the quantized layer will really produce
-            modules = dict(work.named_modules())
-            for name, qt in qts.items():
-                modules[name].weight.copy_(dequantize(qt).to(torch.float32))
+            if next_inputs == "quantized":  # the next layer sees what the quantized layer will produce
+                modules = dict(work.named_modules())
+                for name, qt in qts.items():
+                    modules[name].weight.copy_(dequantize(qt).to(torch.float32))
             xs = [run_layer(work, x, rotary) for x in xs]
         out.update({f"model.layers.{i}.{name}": qt for name, qt in qts.items()})
     return out
@@ -209,6 +231,70 @@ def quantize_weight(
     if group_size:
         return quantize(w, bits, axis=1, group_size=group_size, rmin=rmin, rmax=rmax)
     return quantize(w, bits, axis=0, rmin=rmin, rmax=rmax)
+
+
+def search_ranges(
+    w: torch.Tensor,
+    gram: torch.Tensor,
+    bits: int,
+    group_size: int | None,
+    n_grid: int = 20,
+    max_shrink: float = 0.5,
+    asymmetric: bool | str = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group ranges (rmin, rmax), shrunk by up to max_shrink, minimising each group's partial output error.
+
+    Each group's error is d_g^T G_g d_g (d = round-to-nearest error) with G_g the diagonal block of the
+    Gram matrix G = X^T X for its input channels, so each group is chosen independently. The candidates
+    scale both ends of the data's [min, max] by one factor r = 1, 1 - 1/n_grid, ... down to 1 - max_shrink
+    (AWQ's clipping grid); asymmetric then also tries each end alone on that grid with the other at its best
+    so far (one round of coordinate search, ~the quality of all pairs at a third of the cost), which also
+    moves where the integer zero point puts the grid; asymmetric="pairs" tries every pair of factors for
+    the two ends (3x the cost of the coordinate search). Returns [out, in/g] ([out] per channel).
+    """
+    out_f, in_f = w.shape
+    gs = group_size or in_f
+    ng = in_f // gs
+    # diagonal blocks [ng, gs, gs] of G
+    blocks = gram.reshape(ng, gs, ng, gs).diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+    wg = w.reshape(out_f, ng, gs)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    best_err = torch.full((out_f, ng), float("inf"))
+    best_lo, best_hi = lo.clone(), hi.clone()
+    levels = 2**bits - 1
+    steps = torch.tensor([1 - i / n_grid for i in range(int(max_shrink * n_grid))])[:, None, None, None]
+
+    def try_ranges(c_lo: torch.Tensor, c_hi: torch.Tensor) -> None:
+        """Candidates [C, out, ng, 1]: keep, per group, whichever has the lowest error so far."""
+        nonlocal best_err, best_lo, best_hi
+        sc, z = qparams(c_lo, c_hi, bits)  # the same arithmetic as quantize() with rmin/rmax
+        d = sc * (torch.clamp(round_half_up(wg / sc) + z, 0, levels) - z) - wg
+        err = (torch.einsum("cogk,gkl->cogl", d, blocks) * d).sum(-1)  # [C, out, ng]
+        # a group of one sign can have its ends cross (lo * 1 > hi * 0.6 when 0 < lo): not a range
+        err = torch.where((c_lo <= c_hi)[..., 0], err, torch.inf)
+        for e, a, b in zip(err, c_lo[..., 0], c_hi[..., 0]):
+            better = e < best_err
+            best_err = torch.where(better, e, best_err)
+            best_lo = torch.where(better, a, best_lo)
+            best_hi = torch.where(better, b, best_hi)
+
+    if asymmetric == "pairs":  # every (lo factor, hi factor) pair, one lo factor a batch
+        for f in steps:
+            try_ranges(
+                (lo[None, :, :, None] * f).expand(len(steps), -1, -1, -1), hi[None, :, :, None] * steps
+            )
+        return (best_lo[:, 0], best_hi[:, 0]) if not group_size else (best_lo, best_hi)
+    try_ranges(lo[None, :, :, None] * steps, hi[None, :, :, None] * steps)
+    if asymmetric:  # then each end on its own, the other kept at the best so far
+        try_ranges(
+            lo[None, :, :, None] * steps, best_hi[None, :, :, None].expand_as(lo[None, :, :, None] * steps)
+        )
+        try_ranges(
+            best_lo[None, :, :, None].expand_as(hi[None, :, :, None] * steps), hi[None, :, :, None] * steps
+        )
+    if not group_size:
+        return best_lo[:, 0], best_hi[:, 0]
+    return best_lo, best_hi
 
 
 def split_rows(qt: QuantizedTensor, sizes: list[int]) -> list[QuantizedTensor]:

@@ -13,7 +13,16 @@ Each group's (scale, zero) is computed when quantization enters the group, from 
 act_order quantizes columns in order of decreasing diag(H) (the most active inputs first, while the most
 columns are left to absorb their error). Groups stay contiguous runs of in_features (the storage
 layout), so with act_order every group's parameters are fixed up front from the original weights and
-each column uses its own group's (the reference's "static groups").
+each column uses its own group's (the reference's "static groups"). act_order is the default: on the
+default model it recovers more than twice as much of RTN's loss as left-to-right order.
+
+Those fixed parameters come from a range search by default (ranges="search"): each group's [min, max]
+is shrunk, both ends together and then each alone, where that lowers the group's rounding error
+weighted by its block of H. The default model's checkpoint is Q4_1, so every group's weights already lie
+on a 16-level grid from its min to its max, and the integer zero point shifts RTN's grid off them by up
+to half a step; choosing the range also chooses that shift. Then true_sequential (the reference's
+default) quantizes q/k/v, o, gate/up, down in that order, each from the inputs the already-quantized
+linears before it produce.
 """
 
 from __future__ import annotations
@@ -26,11 +35,21 @@ from pagedllm.quantization.calib import (
     check_group_size,
     collect_inputs,
     quantize_layers,
+    search_ranges,
     split_rows,
     weight_qparams,
     weight_tensor,
 )
-from pagedllm.quantization.uniform import QuantizedTensor, check_bits, qparams, round_half_up
+from pagedllm.quantization.uniform import QuantizedTensor, check_bits, dequantize, qparams, round_half_up
+
+RANGES = ("minmax", "shrink", "search")
+
+
+def _group_qparams(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int | None, ranges: str):
+    """(scale, zero) of w's groups from their min/max, or from a range search weighted by h's blocks."""
+    if ranges == "minmax":
+        return weight_qparams(w, bits, group_size)
+    return qparams(*search_ranges(w, h, bits, group_size, asymmetric=ranges == "search"), bits)
 
 
 def gptq_quantize_weight(
@@ -38,12 +57,22 @@ def gptq_quantize_weight(
     hessian: torch.Tensor,
     bits: int = 4,
     group_size: int | None = 32,
-    act_order: bool = False,
+    act_order: bool = True,
     damp: float = 0.01,
     block_size: int = 128,
+    ranges: str = "search",
 ) -> QuantizedTensor:
-    """Quantize one [out, in] weight given H = 2 X^T X [in, in] of its calibration inputs."""
+    """Quantize one [out, in] weight given H = 2 X^T X [in, in] of its calibration inputs.
+
+    ranges picks each group's [rmin, rmax], hence its (scale, zero): "minmax" the weights' own range;
+    "shrink" AWQ's clipping grid (both ends scaled by one factor, down to half); "search" that, then
+    each end alone on that grid (calib.search_ranges), which also chooses where the integer zero
+    point puts the grid. The searches minimise the group's rounding error weighted by its diagonal block
+    of H (the output error before any feedback), like the reference's MSE range search.
+    """
     check_bits(bits)
+    if ranges not in RANGES:
+        raise InputError(f"ranges must be one of {', '.join(RANGES)}, got {ranges!r}", param="ranges")
     if not 0 <= damp:
         raise InputError(f"damp must be >= 0, got {damp!r}", param="damp")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
@@ -63,12 +92,13 @@ def gptq_quantize_weight(
 
     static = act_order or group_size is None
     if static:  # per-channel or act-order: parameters from the original weights, fixed up front
-        scale, zero = weight_qparams(W, bits, group_size)
+        scale, zero = _group_qparams(W, H, bits, group_size, ranges)
         scale, zero = scale.reshape(rows, -1), zero.reshape(rows, -1)
     else:
         scale = torch.zeros(rows, cols // gs)
         zero = torch.zeros(rows, cols // gs)
         block_size = max(gs, block_size // gs * gs)  # groups never straddle blocks
+    H0 = H if static else H.clone()  # dynamic groups search their ranges on the undamped blocks
     perm = torch.argsort(H.diag(), descending=True) if act_order else torch.arange(cols)
     if act_order:
         W, H = W[:, perm], H[perm][:, perm]
@@ -87,8 +117,8 @@ def gptq_quantize_weight(
         for i in range(i2 - i1):
             c = i1 + i
             if not static and c % gs == 0:  # entering a group: its range from the updated weights
-                grp = W1[:, i : i + gs]
-                scale[:, c // gs], zero[:, c // gs] = qparams(grp.amin(1), grp.amax(1), bits)
+                sz = _group_qparams(W1[:, i : i + gs], H0[c : c + gs, c : c + gs], bits, gs, ranges)
+                scale[:, c // gs], zero[:, c // gs] = sz[0][:, 0], sz[1][:, 0]
             s, z = scale[:, group_of[c]], zero[:, group_of[c]]
             w = W1[:, i]
             q = torch.clamp(round_half_up(w / s) + z, 0, levels)
@@ -121,11 +151,21 @@ def gptq_quantize_layer(
     rotary,
     bits: int = 4,
     group_size: int | None = 32,
-    act_order: bool = False,
+    act_order: bool = True,
     damp: float = 0.01,
     block_size: int = 128,
+    true_sequential: bool = True,
+    ranges: str = "search",
 ) -> dict[str, QuantizedTensor]:
-    """GPTQ on every linear of one float32 decoder layer; names relative to the layer."""
+    """GPTQ on every linear of one float32 decoder layer; names relative to the layer.
+
+    true_sequential (the reference's default) quantizes the groups in data-flow order, q/k/v, o, gate/up,
+    down, and takes each group's Hessian from the layer with the groups before it already quantized, so
+    o_proj is fitted to the inputs the quantized attention really gives it. Otherwise every Hessian comes
+    from one pass of the float layer. The layer's weights are left as they were.
+    """
+    modules = dict(layer.named_modules())
+    originals = {n: modules[n].weight.detach().clone() for _, names in _GROUPS for n in names}
     hessians: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
 
@@ -135,21 +175,34 @@ def gptq_quantize_layer(
         hessians[name] = h if name not in hessians else hessians[name] + h
         counts[name] = counts.get(name, 0) + x.shape[0]
 
-    collect_inputs(layer, xs, rotary, tuple(inp for inp, _ in _GROUPS), on_input=add)
-    modules = dict(layer.named_modules())
+    if not true_sequential:
+        collect_inputs(layer, xs, rotary, tuple(inp for inp, _ in _GROUPS), on_input=add)
     out: dict[str, QuantizedTensor] = {}
-    for inp, names in _GROUPS:
-        weights = [modules[n].weight.detach() for n in names]
-        qt = gptq_quantize_weight(
-            torch.cat(weights),
-            hessians[inp] / counts[inp],
-            bits,
-            group_size,
-            act_order,
-            damp,
-            block_size,
-        )
-        out.update(zip(names, split_rows(qt, [w.shape[0] for w in weights])))
+    try:
+        for inp, names in _GROUPS:
+            if true_sequential:
+                collect_inputs(layer, xs, rotary, (inp,), on_input=add, stop_early=True)
+            weights = [modules[n].weight.detach() for n in names]
+            qt = gptq_quantize_weight(
+                torch.cat(weights),
+                hessians.pop(inp) / counts[inp],
+                bits,
+                group_size,
+                act_order,
+                damp,
+                block_size,
+                ranges,
+            )
+            parts = split_rows(qt, [w.shape[0] for w in weights])
+            out.update(zip(names, parts))
+            if true_sequential:  # the later groups see this group's quantized outputs
+                with torch.no_grad():
+                    for n, part in zip(names, parts):
+                        modules[n].weight.copy_(dequantize(part).to(modules[n].weight.dtype))
+    finally:
+        with torch.no_grad():
+            for n, w in originals.items():
+                modules[n].weight.copy_(w)
     return out
 
 
@@ -158,20 +211,25 @@ def gptq_quantize_model(
     calib: list[torch.Tensor],
     bits: int = 4,
     group_size: int | None = 32,
-    act_order: bool = False,
+    act_order: bool = True,
     damp: float = 0.01,
     block_size: int = 128,
     show_progress: bool = True,
+    true_sequential: bool = True,
+    ranges: str = "search",
 ) -> dict[str, QuantizedTensor]:
     """GPTQ for every decoder layer; returns {"model.layers.i.mlp.down_proj": QuantizedTensor, ...}.
 
-    The model itself is not changed.
+    act_order and true_sequential (see gptq_quantize_layer) are on by default, as in the reference
+    implementations. The model itself is not changed.
     """
     check_bits(bits)
     check_group_size(model, group_size)
 
     def one(layer, xs, rotary):
-        return gptq_quantize_layer(layer, xs, rotary, bits, group_size, act_order, damp, block_size)
+        return gptq_quantize_layer(
+            layer, xs, rotary, bits, group_size, act_order, damp, block_size, true_sequential, ranges
+        )
 
     return quantize_layers(model, calib, one, desc=f"GPTQ int{bits}", show_progress=show_progress)
 

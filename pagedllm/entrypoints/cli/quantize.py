@@ -11,11 +11,13 @@ examples:
   pagedllm quantize --model default --method rtn --bits 4 --group-size 32 --out smollm2-int4
   pagedllm quantize --model default --method rtn --bits 8 --out smollm2-int8      (per output channel)
   pagedllm quantize --model default --method awq --bits 4 --calib wiki.txt --out smollm2-awq
+  pagedllm quantize --model default --method gptq --calib wiki.txt --num-samples 8 --out smollm2-gptq
   pagedllm generate "Hello" --model smollm2-int4                                  (loads it quantized)
 
 The folder holds config.json (with "quantization_config"), model.safetensors (per linear layer:
 NAME.qweight / NAME.scales / NAME.zeros, w = scales * (q - zeros)) and the tokenizer files.
-AWQ and GPTQ read --num-samples windows of --seq-len tokens of the --calib text file.
+AWQ and GPTQ read --num-samples windows of --seq-len tokens of the --calib text file. GPTQ quantizes
+columns in act-order (decreasing activation) by default; --no-act-order turns that off.
 """
 
 METHODS = ("rtn", "awq", "gptq")
@@ -42,6 +44,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--calib", metavar="FILE", help="calibration text file (awq, gptq)")
     p.add_argument("--num-samples", type=int, default=64, help="calibration windows (default: 64)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window (default: 512)")
+    p.add_argument(
+        "--no-act-order",
+        dest="act_order",
+        action="store_false",
+        help="gptq: quantize columns left to right instead of by decreasing activation (act-order, the default)",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(run=run)
@@ -79,6 +87,10 @@ def run(args) -> int:
     group_size = args.group_size if args.group_size is not None else (32 if args.bits == 4 else None)
     if group_size is not None and group_size < 1:
         raise InputError(f"--group-size must be >= 1, got {group_size}", param="group_size")
+    if not args.act_order and args.method != "gptq":
+        raise InputError(
+            f"--no-act-order applies to --method gptq only, not {args.method}", param="act_order"
+        )
     if args.method != "rtn" and not args.calib:
         raise InputError(f"--method {args.method} needs --calib FILE (calibration text)", param="calib")
     if args.calib and not Path(args.calib).is_file():
@@ -103,7 +115,8 @@ def run(args) -> int:
         # check every layer shape first: a bad group size fails before minutes of calibration
         for name in linear_layer_names(model):
             check_layer_shape(name, model.get_submodule(name).in_features, args.bits, group_size)
-        qts = fn(model, calib, bits=args.bits, group_size=group_size, show_progress=show)
+        kwargs = {"act_order": args.act_order} if args.method == "gptq" else {}
+        qts = fn(model, calib, bits=args.bits, group_size=group_size, show_progress=show, **kwargs)
         replace_linears(model, qts)
     save_quantized(model, out, path, args.method)
     n = sum(isinstance(m, QuantLinear) for m in model.modules())
