@@ -202,3 +202,26 @@ def test_cli_errors(capsys) -> None:
     assert main(["bench", "serve", "--request-rate", "0"]) == 2
     assert main(["bench", "throughput", "--dataset", "/nonexistent.jsonl"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_repeat_reports_one_whole_median_run():
+    """Time and rates of the reported figure come from the same run, so they agree with each other."""
+    from pagedllm.bench.throughput import summarize
+    from pagedllm.entrypoints.cli.bench import _median
+
+    runs = [
+        summarize(
+            {
+                "elapsed_time": t,
+                "num_requests": 32,
+                "prompt_tokens": 8192,
+                "output_tokens": 32,
+                "median_ttft_s": t / 2,
+                "decode_tokens_per_second": 0.0,
+            }
+        )
+        for t in (0.5, 2.0, 1.0, 4.0)
+    ]
+    got = _median(runs)
+    assert got["elapsed_time"] == 2.0  # of the two middle runs (1.0, 2.0), the slower
+    assert got["tokens_per_second"] == 8224 / 2.0 and got["median_ttft_s"] == 1.0

@@ -90,3 +90,17 @@ def test_hash_chain_depends_on_parent():
     assert hash_block_tokens(None, (1, 2, 3)) == h1
     assert hash_block_tokens(h1, [4, 5, 6]) != hash_block_tokens(None, [4, 5, 6])
     assert hash_block_tokens(h1, [4, 5, 6], extra_salt="x") != hash_block_tokens(h1, [4, 5, 6])
+
+
+def test_reset_prefix_cache_only_when_idle():
+    pool = BlockPool(4)
+    blocks = pool.get_new_blocks(2)
+    h = hash_block_tokens(None, [1, 2, 3])
+    assert pool.cache_full_block(blocks[0], h)
+    assert not pool.reset_prefix_cache()  # a request still holds blocks: nothing dropped
+    assert pool.get_cached_block(h) is blocks[0]
+    pool.free_blocks(blocks)
+    assert pool.num_cached_free_blocks == 1
+    assert pool.reset_prefix_cache()
+    assert pool.get_cached_block(h) is None
+    assert pool.num_cached_free_blocks == 0 and pool.num_free_blocks == 4 and blocks[0].block_hash is None

@@ -244,3 +244,17 @@ def test_bad_engine_options_fail_before_loading(kwargs, field):
     with pytest.raises(InputError) as e:
         LLM(model="/no/such/model/is/ever/loaded", **kwargs)
     assert e.value.param == field or field in str(e.value)
+
+
+def test_reset_prefix_cache_makes_the_next_run_prefill_again(llm):
+    prompt = "Reset me: " + "the same long prompt, block after block. " * 8
+    params = SamplingParams(temperature=0, max_tokens=2)
+    engine = llm.llm_engine
+    llm.generate([prompt], params, use_tqdm=False)
+    hits = engine.get_stats().prefix_cache_hits
+    llm.generate([prompt], params, use_tqdm=False)
+    assert engine.get_stats().prefix_cache_hits > hits  # the second run found the first's blocks
+    assert llm.reset_prefix_cache()
+    hits = engine.get_stats().prefix_cache_hits
+    llm.generate([prompt], params, use_tqdm=False)
+    assert engine.get_stats().prefix_cache_hits == hits

@@ -13,6 +13,8 @@ def run_offline(llm, prompts: list[BenchPrompt], ignore_eos: bool = True, use_tq
     params = [
         SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=ignore_eos) for p in prompts
     ]
+    # every run starts cold: a repeat must not find the previous run's prompts in the prefix cache
+    llm.reset_prefix_cache()
     start = time.perf_counter()
     outs = llm.generate([p.prompt for p in prompts], params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - start

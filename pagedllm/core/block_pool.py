@@ -110,6 +110,17 @@ class BlockPool:
         self.cached_block_hash_to_block[block_hash] = block
         return True
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (e.g. between benchmark runs, so a repeat does not skip its prefill).
+        Only when no block is held: False, and nothing changed, while any request runs."""
+        if any(b.ref_cnt > 0 for b in self.blocks):
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        self._num_cached_free = 0
+        return True
+
     def get_cached_block(self, block_hash: BlockHash) -> Block | None:
         return self.cached_block_hash_to_block.get(block_hash)
 

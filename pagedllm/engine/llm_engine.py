@@ -342,6 +342,10 @@ class LLMEngine:
         )
 
     # ---- what the engine holds --------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Drop all cached prefixes; False (and nothing dropped) while requests hold blocks."""
+        return self.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
+
     def get_stats(self) -> EngineStats:
         s = self.scheduler
         kv = s.kv_cache_manager

@@ -27,6 +27,10 @@ class LLM:
         self.llm_engine = LLMEngine(model=model, **engine_kwargs)
         self._ids = itertools.count()
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop all cached prefixes (vLLM's LLM.reset_prefix_cache); False while requests are running."""
+        return self.llm_engine.reset_prefix_cache()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
