@@ -8,8 +8,11 @@ server: streaming, n > 1, stop strings, max_tokens, logprobs, aborts and KV-bloc
 from __future__ import annotations
 
 import math
+import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -255,3 +258,28 @@ class FakeEngine:
             kv_cache_usage=used / self.num_blocks,
             num_preemptions=self.num_preemptions,
         )
+
+
+@contextmanager
+def serve_in_thread(engine, api_key: str | None = None) -> Iterator[tuple[str, threading.Thread]]:
+    """The real OpenAI server app over `engine` (an AsyncEngine) on a free loopback port, in a thread:
+    yields (base_url, thread) once /health answers; stops the server on exit."""
+    import uvicorn
+    from test_server import wait_healthy
+
+    from pagedllm.entrypoints.openai.server import build_app
+
+    app = build_app(engine, served_model_names=["fake"], api_key=api_key, shutdown_timeout=5)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base_url, 30, alive=thread.is_alive)
+        yield base_url, thread
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=30)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 from pathlib import Path
 
 import httpx
@@ -86,27 +84,13 @@ def test_memory_accounting_agrees_with_planner() -> None:
 # ---- bench serve against the in-process fake server (fast) -------------------------------------------
 @pytest.fixture(scope="module")
 def fake_server():
-    import uvicorn
-    from fake_engine import FakeEngine
+    from fake_engine import FakeEngine, serve_in_thread
 
     from pagedllm.engine.async_engine import AsyncEngine
-    from pagedllm.entrypoints.openai.server import build_app
 
     engine = AsyncEngine(FakeEngine(max_model_len=2048, num_kv_blocks=4096, max_num_seqs=8))
-    app = build_app(engine, served_model_names=["fake"], shutdown_timeout=5)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    base_url = f"http://127.0.0.1:{port}"
-    from test_server import wait_healthy
-
-    wait_healthy(base_url, 30, alive=thread.is_alive)
-    yield base_url
-    uv.should_exit = True
-    thread.join(timeout=30)
+    with serve_in_thread(engine) as (base_url, _):
+        yield base_url
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])

@@ -6,20 +6,12 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from pagedllm.entrypoints.cli.main import main
+from cli_helpers import cli
 
 GiB, MiB = 1024**3, 1024**2
 BIG = ["--num-layers", "40", "--d-model", "5120"]  # the spec's 40-layer, d_model 5120 model
 
 
-def cli(capsys, *argv):
-    try:
-        rc = main(list(argv))
-    except SystemExit as e:  # argparse: --help, or a flag it cannot parse
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def plan_json(capsys, *argv) -> dict:

@@ -3,19 +3,11 @@
 import json
 
 import pytest
-
-from pagedllm.entrypoints.cli.main import main
+from cli_helpers import cli
 
 GRID = ["--rmin", "-0.6", "--rmax", "0.9", "--bits", "4"]
 
 
-def cli(capsys, *argv):
-    try:
-        rc = main(list(argv))
-    except SystemExit as e:
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def explain_json(capsys, *argv) -> dict:

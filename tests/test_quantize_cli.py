@@ -4,23 +4,14 @@ import json
 
 import pytest
 import torch
+from cli_helpers import cli
 from model_helpers import paged_prefill_logits
 from tiny_models import save_tiny_llama
 
-from pagedllm.entrypoints.cli.main import main
 from pagedllm.model.build import build_model
 from pagedllm.model.loader import default_model_path
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.quantization.linear import QuantLinear
-
-
-def cli(capsys, *argv):
-    try:
-        rc = main(list(argv))
-    except SystemExit as e:
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 @pytest.fixture(scope="module")

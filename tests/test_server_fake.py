@@ -5,21 +5,17 @@ Plus what only a fake can show: an engine step that raises fails its requests bu
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-import uvicorn
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, serve_in_thread
 from test_server import *  # noqa: F403 - run every server test against the fake too
-from test_server import API_KEY, ServerInfo, assert_good_request, wait_healthy
+from test_server import API_KEY, ServerInfo, assert_good_request
 
 from pagedllm.engine.async_engine import AsyncEngine
-from pagedllm.entrypoints.openai.server import build_app
 
 pytestmark = []  # fast: not "slow" like the real-server tests
 
@@ -28,20 +24,8 @@ pytestmark = []  # fast: not "slow" like the real-server tests
 def server() -> Iterator[ServerInfo]:  # noqa: F811 - replaces the real server of test_server.py
     # step_delay: a 1000-token request takes seconds, so a client can drop in the middle of it
     engine = AsyncEngine(FakeEngine(max_model_len=2048, num_kv_blocks=4096, max_num_seqs=8, step_delay=0.002))
-    app = build_app(engine, served_model_names=["fake"], api_key=API_KEY, shutdown_timeout=5)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(base_url, 30, alive=thread.is_alive)
+    with serve_in_thread(engine, api_key=API_KEY) as (base_url, thread):
         yield ServerInfo(base_url=base_url, model="fake", long_max_tokens=1000)
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=30)
     assert not thread.is_alive()
     assert not engine.is_running  # the lifespan shutdown stopped the engine loop
 

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import nn
 
 from pagedllm.config import ModelConfig
 from pagedllm.errors import InputError
@@ -36,7 +35,7 @@ from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.loader.hf_config import read_hf_config
 from pagedllm.model.loader.safetensors import safetensors_files
 from pagedllm.quantization.linear import QuantLinear
-from pagedllm.quantization.model import set_module
+from pagedllm.quantization.model import find_linear, set_module
 from pagedllm.quantization.pack import unpack_int4
 
 QUANT_METHOD = "pagedllm"
@@ -190,11 +189,8 @@ def load_quantized(
         model = LlamaForCausalLM(config)
     quantized = sorted(n[: -len(".qweight")] for n in tensors if n.endswith(".qweight"))
     for name in quantized:
-        try:
-            old = model.get_submodule(name)
-        except AttributeError:
-            old = None
-        if not isinstance(old, nn.Linear):
+        old = find_linear(model, name)
+        if old is None:
             raise InputError(f"{path}: {name}.qweight does not belong to a linear layer", param="model")
         try:
             qweight, scales, zeros = (tensors.pop(f"{name}.{k}") for k in ("qweight", "scales", "zeros"))

@@ -48,12 +48,18 @@ def set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
-def _linear(model: nn.Module, name: str) -> nn.Linear:
+def find_linear(model: nn.Module, name: str) -> nn.Linear | None:
+    """The nn.Linear called `name`, or None when there is none (or it is something else)."""
     try:
         m = model.get_submodule(name)
     except AttributeError:
-        m = None
-    if not isinstance(m, nn.Linear):
+        return None
+    return m if isinstance(m, nn.Linear) else None
+
+
+def _linear(model: nn.Module, name: str) -> nn.Linear:
+    m = find_linear(model, name)
+    if m is None:
         raise InputError(f"{name} is not an nn.Linear layer of this model", param="layers")
     return m
 

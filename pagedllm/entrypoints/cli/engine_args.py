@@ -5,8 +5,14 @@ from __future__ import annotations
 import argparse
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine options")
+def print_help(parser: argparse.ArgumentParser) -> int:
+    """What a command group (`eval`, `quant`) does when called without its subcommand."""
+    parser.print_help()
+    return 0
+
+
+def add_model_args(g) -> None:
+    """--model and --dtype: what every command that loads a model takes (engine commands, eval)."""
     g.add_argument(
         "--model",
         default="default",
@@ -18,6 +24,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "bf16", "fp16", "fp32"],
         help="compute dtype; auto = bf16 on CPUs with AVX-512 BF16, else fp32 (default: auto)",
     )
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine options")
+    add_model_args(g)
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
     g.add_argument(
         "--kv-cache-memory", default=None, help="memory for the KV cache, e.g. 512MiB or 2GiB (default: 1GiB)"

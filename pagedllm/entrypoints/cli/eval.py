@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from pagedllm.entrypoints.cli.engine_args import add_model_args, print_help
+
 _EPILOG = """\
 examples:
   pagedllm eval perplexity --model default --text ../shared/data/wikitext-2/test.txt --ctx 512
@@ -28,17 +30,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "--model",
-        default="default",
-        help="a GGUF file, a Hugging Face safetensors folder, or 'default' (SmolLM2-135M-Instruct)",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "bf16", "fp16", "fp32"],
-        help="compute dtype; auto = bf16 on CPUs with AVX-512 BF16, else fp32 (default: auto)",
-    )
+    add_model_args(p)
     p.add_argument("--quantization", default=None, help="quantize the weights at load, as for `generate`")
     p.add_argument(
         "--kv-cache-dtype",
@@ -53,13 +45,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1, help="windows per forward pass (default: 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(run=run_perplexity)
-    parser.set_defaults(run=lambda args: _print_help(parser))
+    parser.set_defaults(run=lambda args: print_help(parser))
     return parser
-
-
-def _print_help(parser: argparse.ArgumentParser) -> int:
-    parser.print_help()
-    return 0
 
 
 def run_perplexity(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from pagedllm.entrypoints.cli.engine_args import print_help
 from pagedllm.quantization.explain import Explanation, exact_str, explain, to_dict
 
 _EXPLAIN_EPILOG = """\
@@ -47,13 +48,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     ex.add_argument("--value", help="the real value r to quantize (optional: without it, just the grid)")
     ex.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     ex.set_defaults(run=run_explain)
-    parser.set_defaults(run=lambda args: _print_help(parser))
+    parser.set_defaults(run=lambda args: print_help(parser))
     return parser
-
-
-def _print_help(parser: argparse.ArgumentParser) -> int:
-    parser.print_help()
-    return 0
 
 
 def run_explain(args: argparse.Namespace) -> int:

@@ -26,8 +26,7 @@ class RMSNorm(nn.Module):
         """(residual + x, norm(residual + x)); neither input is modified."""
         ops = self._ops(x)
         if ops is not None:
-            total, normed = ops.add_rms_norm(x, residual, self.weight, self.eps)
-            return total, normed
+            return tuple(ops.add_rms_norm(x, residual, self.weight, self.eps))
         total = residual + x
         return total, self._norm(total)
 
