@@ -136,21 +136,3 @@ def test_stop_early_collects_the_same_inputs(tiny_model):
         hook.remove()
     assert not reached
     torch.testing.assert_close(early["self_attn.o_proj"], full["self_attn.o_proj"])
-
-
-def test_driver_can_feed_float_outputs(tiny_model):
-    """next_inputs="float" (llm-awq's choice): layer i+1 sees the float layer i's outputs."""
-    model = LlamaForCausalLM.from_weights(tiny_model.config, dict(tiny_model.state_dict()), torch.float32)
-    calib = [torch.randint(3, 1000, (20,), generator=torch.Generator().manual_seed(s)) for s in range(2)]
-    seen: list[torch.Tensor] = []
-
-    def rtn2(layer, xs, rotary):
-        seen.append(xs[0].clone())
-        return {n: quantize_weight(m.weight.detach(), 2, 16) for n, m in layer.named_modules() if "proj" in n}
-
-    quantize_layers(model, calib, rtn2, desc="test", show_progress=False, next_inputs="float")
-    with torch.no_grad():
-        x1 = run_layer(tiny_model.model.layers[0], seen[0], float_rotary(tiny_model))
-    torch.testing.assert_close(seen[1], x1)
-    with pytest.raises(InputError, match="next_inputs"):
-        quantize_layers(model, calib, rtn2, desc="test", show_progress=False, next_inputs="fp")

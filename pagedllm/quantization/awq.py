@@ -12,10 +12,10 @@ linears that share an input share s:
     gate/up after post_attention_layernorm (1/s folded into the norm weight)
     down   after up_proj                  (1/s folded into up_proj's rows: silu(g) * (u/s) = (silu(g)*u)/s)
 As in the reference, the q/k/v scales are judged on the attention block's output and the gate/up scales
-on the MLP's output (block_objective), down_proj's on its own output. o_proj is left unscaled by default:
-with grouped-query attention v_proj has fewer outputs than o_proj has inputs, so s must be shared by
-the query heads of one KV head (scale_o does that; it did not pay on the default model). AutoAWQ's
-duo_scaling (s = mean|x|^a / mean|w|^(1-a)) is an option too (it did not pay either).
+on the MLP's output (block_objective), down_proj's on its own output. o_proj is left unscaled: with
+grouped-query attention v_proj has fewer outputs than o_proj has inputs, so s would have to be shared by
+the query heads of one KV head; tried (1/s folded into v_proj), it raised the layer output error on the
+default model, as did AutoAWQ's duo scaling (s = mean|x|^a / mean|w|^(1-a)), so neither is kept.
 
 Then a clipping search picks each group's [rmin, rmax] (values beyond saturate) where that lowers the
 group's output error: both ends scaled by one factor on the grid 1, 0.95, ... 0.55 (the reference's
@@ -51,27 +51,13 @@ def output_error(d: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
     return ((d @ gram) * d).sum()
 
 
-def weight_mean(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
-    """Mean over output rows of |w| normalised by its quantization group's max |w|: [in] (AutoAWQ's w_mean)."""
-    out_f, in_f = w.shape
-    g = w.abs().reshape(out_f, -1, group_size or in_f)
-    return (g / (g.amax(-1, keepdim=True) + 1e-6)).reshape(out_f, in_f).mean(0)
-
-
-def candidate_scales(act_mean: torch.Tensor, w_mean: torch.Tensor | None, n_grid: int) -> list[torch.Tensor]:
-    """The grid of per-input-channel scales: act_mean^a (or act_mean^a / w_mean^(1-a)), a in [0, 1).
-
-    Each is centred around 1 (the quantization grid only cares about ratios). s = 1 (plain
-    round-to-nearest: a = 0 without w_mean, added with it) is always a candidate, so the search never
-    does worse than RTN on its objective.
-    """
-    out = [torch.ones_like(act_mean)] if w_mean is not None else []
+def candidate_scales(act_mean: torch.Tensor, n_grid: int) -> list[torch.Tensor]:
+    """The grid of per-input-channel scales act_mean^a, a in [0, 1), each centred around 1 (the quantization
+    grid only cares about ratios). a = 0 is s = 1, plain round-to-nearest, so the search never does worse
+    than RTN on its objective."""
+    out = []
     for i in range(n_grid):
-        a = i / n_grid
-        s = act_mean.pow(a)
-        if w_mean is not None:
-            s = s / (w_mean.pow(1 - a) + 1e-4)
-        s = s.clamp(min=1e-4)
+        s = act_mean.pow(i / n_grid).clamp(min=1e-4)
         out.append(s / (s.max() * s.min()).sqrt())
     return out
 
@@ -79,24 +65,6 @@ def candidate_scales(act_mean: torch.Tensor, w_mean: torch.Tensor | None, n_grid
 def fake_quantize_scaled(w: torch.Tensor, s: torch.Tensor, bits: int, group_size: int | None) -> torch.Tensor:
     """Q(W diag(s)) diag(s)^-1: the weight the float input x sees once s is folded into the layer."""
     return dequantize(quantize_weight(w * s, bits, group_size)) / s
-
-
-def search_scales(
-    w: torch.Tensor,
-    gram: torch.Tensor,
-    act_mean: torch.Tensor,
-    bits: int,
-    group_size: int | None,
-    n_grid: int = 20,
-    w_mean: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Per-input-channel scales from candidate_scales minimising ||X W^T - X (Q(W s) / s)^T||^2."""
-    best_err, best_s = float("inf"), torch.ones_like(act_mean)
-    for s in candidate_scales(act_mean, w_mean, n_grid):
-        err = output_error(fake_quantize_scaled(w, s, bits, group_size) - w, gram).item()
-        if err < best_err:
-            best_err, best_s = err, s
-    return best_s
 
 
 # AWQ's clipping search: per-group ranges shrunk where that lowers each group's partial output error
@@ -150,27 +118,21 @@ def awq_quantize_layer(
     group_size: int | None = 32,
     n_grid: int = 20,
     clip: bool = True,
-    duo_scaling: bool = False,
     block_objective: bool = True,
     block_tokens: int = 2048,
-    scale_o: bool = False,
     clip_asymmetric: bool | str = "pairs",
-    clip_grid: int | None = None,
 ) -> dict[str, QuantizedTensor]:
     """AWQ on one float32 decoder layer, in place: scales folded into its norms/weights, returns the codes.
 
     Returned names are relative to the layer ("self_attn.q_proj", ...); dequantizing them and putting
     the result in the (already scaled) layer gives the quantized layer.
 
-    duo_scaling: candidates act_mean^a / w_mean^(1-a) (AutoAWQ's default) instead of act_mean^a.
     block_objective: q/k/v scales are judged on the attention output and gate/up scales on the MLP output
     (on block_tokens evenly spaced tokens), as in the reference; otherwise on the linears' own outputs.
-    scale_o: also scale o_proj, folding 1/s into v_proj's rows; with grouped-query attention the scales
-    are shared by the query heads that read one KV head (averaged statistics).
     clip_asymmetric: "pairs" tries every pair of factors for the two range ends (the default: on the
     default model it beat True, the cheaper coordinate search: after the symmetric grid each end alone;
-    False is the reference's symmetric grid only; calib.search_ranges);
-    clip_grid: that grid's resolution (default n_grid: steps of 1/20 down to half the range).
+    False is the reference's symmetric grid only; calib.search_ranges), steps of 1/n_grid down to half
+    the range.
     """
     keep = {"self_attn.q_proj", "mlp.gate_proj"} if block_objective else set()
     stats = {n: _Stats(keep=n in keep) for n in _INPUTS}
@@ -178,9 +140,9 @@ def awq_quantize_layer(
     attn, mlp = layer.self_attn, layer.mlp
     grams = {n: st.gram for n, st in stats.items()}
 
-    def search(linears: list[nn.Linear], inp: str, act_mean: torch.Tensor, w_mean, block) -> torch.Tensor:
+    def search(linears: list[nn.Linear], inp: str, block) -> torch.Tensor:
         w = torch.cat([m.weight for m in linears]).detach()
-        cands = candidate_scales(act_mean, w_mean, n_grid)
+        cands = candidate_scales(stats[inp].act_mean, n_grid)
         if block is None:  # the linears' own outputs, exactly, through the Gram matrix
             errs = [
                 output_error(fake_quantize_scaled(w, c, bits, group_size) - w, grams[inp]).item()
@@ -203,24 +165,12 @@ def awq_quantize_layer(
                 m.weight.copy_(w0)
         return best
 
-    def scale_group(linears, inp: str, fold, act_mean=None, block=None) -> None:
-        act_mean = stats[inp].act_mean if act_mean is None else act_mean
-        w_mean = (
-            weight_mean(torch.cat([m.weight for m in linears]).detach(), group_size) if duo_scaling else None
-        )
-        if w_mean is not None and linears[0] is attn.o_proj:
-            w_mean = _share_heads(w_mean, attn)
-        s = search(linears, inp, act_mean, w_mean, block)
+    def scale_group(linears, inp: str, fold, block=None) -> None:
+        s = search(linears, inp, block)
         for m in linears:
             m.weight.mul_(s)  # columns: W diag(s)
         fold(s)
         grams[inp] = grams[inp] / torch.outer(s, s)  # the Gram matrix of the scaled inputs X / s
-
-    def fold_v(s: torch.Tensor) -> None:
-        per_kv = s.view(attn.num_kv_heads, -1, attn.head_dim)[:, 0].reshape(-1)
-        attn.v_proj.weight.div_(per_kv[:, None])
-        if attn.v_proj.bias is not None:
-            attn.v_proj.bias.div_(per_kv)
 
     with torch.no_grad():
         attn_block = mlp_block = None
@@ -233,13 +183,6 @@ def awq_quantize_layer(
             lambda s: layer.input_layernorm.weight.div_(s),
             block=attn_block,
         )
-        if scale_o:
-            scale_group(
-                [attn.o_proj],
-                "self_attn.o_proj",
-                fold_v,
-                act_mean=_share_heads(stats["self_attn.o_proj"].act_mean, attn),
-            )
         scale_group(
             [mlp.gate_proj, mlp.up_proj],
             "mlp.gate_proj",
@@ -261,17 +204,9 @@ def awq_quantize_layer(
             w = modules[name].weight.detach()
             rng = (None, None)
             if clip and not name.endswith(("q_proj", "k_proj")):
-                rng = search_clip(
-                    w, grams[inp], bits, group_size, clip_grid or n_grid, asymmetric=clip_asymmetric
-                )
+                rng = search_clip(w, grams[inp], bits, group_size, n_grid, asymmetric=clip_asymmetric)
             out[name] = quantize_weight(w, bits, group_size, *rng)
     return out
-
-
-def _share_heads(v: torch.Tensor, attn: nn.Module) -> torch.Tensor:
-    """Average a per-o_proj-input vector [heads * head_dim] over the query heads sharing a KV head."""
-    kv = v.view(attn.num_kv_heads, -1, attn.head_dim)
-    return kv.mean(1, keepdim=True).expand_as(kv).reshape(-1)
 
 
 def awq_quantize_model(
@@ -282,18 +217,14 @@ def awq_quantize_model(
     n_grid: int = 20,
     clip: bool = True,
     show_progress: bool = True,
-    duo_scaling: bool = False,
     block_objective: bool = True,
-    scale_o: bool = False,
     clip_asymmetric: bool | str = "pairs",
-    next_inputs: str = "quantized",
 ) -> dict[str, QuantizedTensor]:
     """AWQ for every decoder layer; returns {"model.layers.i.self_attn.q_proj": QuantizedTensor, ...}.
 
-    Changes the model in place: the scales are folded into the RMSNorm weights, v_proj and up_proj rows
-    and the linears' weights (the float model computes the same function). Swap the linears for quantized
-    ones built from the result, e.g. weight = dequantize(qt). Options: awq_quantize_layer;
-    next_inputs: see calib.quantize_layers.
+    Changes the model in place: the scales are folded into the RMSNorm weights, up_proj rows and the
+    linears' weights (the float model computes the same function). Swap the linears for quantized ones
+    built from the result, e.g. weight = dequantize(qt). Options: awq_quantize_layer.
     """
     check_bits(bits)
     check_group_size(model, group_size)
@@ -307,15 +238,11 @@ def awq_quantize_model(
             group_size,
             n_grid,
             clip,
-            duo_scaling=duo_scaling,
             block_objective=block_objective,
-            scale_o=scale_o,
             clip_asymmetric=clip_asymmetric,
         )
 
-    return quantize_layers(
-        model, calib, one, desc=f"AWQ int{bits}", show_progress=show_progress, next_inputs=next_inputs
-    )
+    return quantize_layers(model, calib, one, desc=f"AWQ int{bits}", show_progress=show_progress)
 
 
-__all__ = ["awq_quantize_model", "awq_quantize_layer", "search_scales", "search_clip"]
+__all__ = ["awq_quantize_model", "awq_quantize_layer", "search_clip"]

@@ -152,18 +152,15 @@ def quantize_layers(
     quantize_layer: LayerFn,
     desc: str,
     show_progress: bool = True,
-    next_inputs: str = "quantized",
 ) -> dict[str, QuantizedTensor]:
     """The sequential driver: quantize_layer(fp32 copy of layer i, its inputs, rotary) -> {rel name: qt}.
 
     quantize_layer may change the copy's parameters in ways that keep the float layer's function (AWQ
     folds scales into norms and weights); those changes are written back into the model, in its dtype.
     The model's linears keep float weights: the caller swaps in quantized linears from the result.
-    next_inputs: "quantized" runs the quantized layer to make the next layer's inputs (each layer is
-    calibrated on what it will really see); "float" runs the float layer (as llm-awq does).
+    The next layer's inputs come from the quantized layer, so each layer is calibrated on what it will
+    really see.
     """
-    if next_inputs not in ("quantized", "float"):
-        raise InputError(f"next_inputs must be 'quantized' or 'float', got {next_inputs!r}", "next_inputs")
     if not calib:
         raise InputError("calibration needs at least one sample", param="calib")
     xs = layer0_inputs(model, calib)
@@ -176,10 +173,9 @@ def quantize_layers(
         with torch.no_grad():
             for p_model, p_work in zip(layer.parameters(), work.parameters()):
                 p_model.copy_(p_work.to(p_model.dtype))
-            if next_inputs == "quantized":  # the next layer sees what the quantized layer will produce
-                modules = dict(work.named_modules())
-                for name, qt in qts.items():
-                    modules[name].weight.copy_(dequantize(qt).to(torch.float32))
+            modules = dict(work.named_modules())
+            for name, qt in qts.items():
+                modules[name].weight.copy_(dequantize(qt).to(torch.float32))
             xs = [run_layer(work, x, rotary) for x in xs]
         out.update({f"model.layers.{i}.{name}": qt for name, qt in qts.items()})
     return out
