@@ -14,7 +14,7 @@ from pathlib import Path
 logger = logging.getLogger("pagedllm")
 
 
-def load_cpp_extension(name: str, source: Path):
+def load_cpp_extension(name: str, source: Path, extra_cflags: tuple[str, ...] = ()):
     """The compiled module, or None when it cannot be built here."""
     if os.environ.get("PAGEDLLM_NO_CPU_KERNEL") == "1":
         return None
@@ -24,7 +24,7 @@ def load_cpp_extension(name: str, source: Path):
         return load_extension(
             name=name,
             sources=[str(source)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

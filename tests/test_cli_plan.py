@@ -12,8 +12,6 @@ GiB, MiB = 1024**3, 1024**2
 BIG = ["--num-layers", "40", "--d-model", "5120"]  # the spec's 40-layer, d_model 5120 model
 
 
-
-
 def plan_json(capsys, *argv) -> dict:
     rc, out, err = cli(capsys, "plan", *argv, "--json")
     assert rc == 0, err

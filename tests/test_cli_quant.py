@@ -8,8 +8,6 @@ from cli_helpers import cli
 GRID = ["--rmin", "-0.6", "--rmax", "0.9", "--bits", "4"]
 
 
-
-
 def explain_json(capsys, *argv) -> dict:
     rc, out, err = cli(capsys, "quant", "explain", *argv, "--json")
     assert rc == 0, err

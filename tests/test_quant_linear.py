@@ -11,8 +11,9 @@ from gguf.quants import quantize as gguf_quantize
 from pagedllm.config import ModelConfig
 from pagedllm.errors import InputError
 from pagedllm.model.loader.gguf import unpermute_qk
+from pagedllm.quantization import amx
 from pagedllm.quantization.gguf_native import decode_blocks, gguf_quant_linear
-from pagedllm.quantization.linear import KERNEL_MAX_ROWS, QuantLinear
+from pagedllm.quantization.linear import KERNEL_MAX_ROWS, TORCH_KERNEL_MAX_ROWS_BESIDE_AMX, QuantLinear
 from pagedllm.quantization.model import quantize_model
 from pagedllm.quantization.rtn import rtn_quantize_weight
 from pagedllm.quantization.uniform import dequantize
@@ -56,12 +57,57 @@ def test_packed_kernel_equals_dequantize_reference(bits, group_size, rows):
 
 
 @pytest.mark.parametrize("bits,group_size", SCHEMES)
-def test_rows_above_threshold_take_dequantize_path(bits, group_size):
+def test_rows_above_threshold_leave_torchs_kernels(bits, group_size):
     layer = QuantLinear.from_quantized(rtn_quantize_weight(weight(64, 256), bits, group_size))
-    rows = KERNEL_MAX_ROWS["int4" if bits == 4 else "int8"] + 1
+    kind = "int4" if bits == 4 else "int8"
+    if layer.amx_usable():
+        assert layer.path(TORCH_KERNEL_MAX_ROWS_BESIDE_AMX, torch.bfloat16) == kind
+        assert layer.path(TORCH_KERNEL_MAX_ROWS_BESIDE_AMX + 1, torch.bfloat16) == "amx"
+        return
+    rows = KERNEL_MAX_ROWS[kind] + 1
+    assert layer.path(rows, torch.bfloat16) == "dequantize"
     x = activations(rows, 256)
     expected = F.linear(x, layer.dequantize_weight(torch.bfloat16))
     assert torch.equal(layer(x), expected)
+
+
+needs_amx = pytest.mark.skipif(amx.load() is None, reason="no AMX on this CPU (or no compiler)")
+
+
+@needs_amx
+@pytest.mark.parametrize("bits,group_size", [*SCHEMES, (8, 32), (8, 64)])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 100])
+def test_amx_kernel_equals_dequantize_reference(bits, group_size, rows):
+    w, b = weight(208, 256), torch.randn(208)  # 13 column tiles of 16: an odd last block of 32
+    layer = QuantLinear.from_quantized(rtn_quantize_weight(w, bits, group_size), bias=b)
+    layer.pack()
+    x = activations(rows, 256)
+    codes, scales, mins = layer._amx
+    y = amx.load().gemm(x, codes, scales, mins, layer.bias.to(torch.bfloat16), bits, group_size or 256, 208)
+    # the same products as a bf16 GEMM over the dequantized weight (rounded to bf16 once), summed in
+    # float32 in another order: equal to that GEMM's float32 result rounded once, but for rare last bits
+    w_bf16 = layer.dequantize_weight(torch.bfloat16).float()
+    exact = (x.float() @ w_bf16.T + layer.bias.to(torch.bfloat16).float()).to(torch.bfloat16)
+    assert (y == exact).float().mean() > 0.99
+    torch.testing.assert_close(y.float(), exact.float(), rtol=2**-7, atol=1e-3)
+    assert_bf16_close(y - layer.bias.to(torch.bfloat16), x, layer.dequantize_weight())
+
+
+@needs_amx
+def test_amx_kernel_rejects_shapes_it_cannot_tile():
+    assert not amx.supports(4, 256, 200, 32)  # out not a multiple of 16
+    assert not amx.supports(4, 48, 64, None)  # in not a multiple of 32
+    assert not amx.supports(4, 256, 64, 16)  # group of 16
+    assert not amx.supports(3, 256, 64, 32)
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        amx.load().gemm(
+            activations(2, 48),
+            *amx.pack_codes(torch.zeros(64, 48, dtype=torch.uint8), torch.ones(64, 3), torch.zeros(64, 3), 4),
+            None,
+            4,
+            16,
+            64,
+        )
 
 
 def test_dequantize_weight_is_the_quantizers_dequantize():
@@ -94,13 +140,16 @@ def test_fp32_activations_are_exact_and_bias_is_added():
 def test_weight_bytes():
     w = weight(128, 256)
     int8 = QuantLinear.from_quantized(rtn_quantize_weight(w, 8, None))
+    # the AMX kernel's own copy, where it runs: the codes once more + fp32 scales and mins
+    amx8 = 128 * 256 + 2 * 128 * 4 if int8.amx_usable() else 0
     int8.pack()
     # int8 codes once (the kernel reads them in place) + fp32 scale/min + bf16 unit scales + fp32 correction
-    assert int8.weight_bytes() == 128 * 256 + 128 * (4 + 4 + 2 + 4)
+    assert int8.weight_bytes() == 128 * 256 + 128 * (4 + 4 + 2 + 4) + amx8
     int4 = QuantLinear.from_quantized(rtn_quantize_weight(w, 4, 32))
     stored = 128 * 128 + 2 * 128 * 8 * 4
     assert int4.weight_bytes() == stored
-    int4.pack()  # + the kernel's own nibble layout and bf16 (scale, zero) pairs
+    # AMX: its layout holds the stored form in another order, which is then released
+    int4.pack()  # + the INT4 kernel's own nibble layout and bf16 (scale, zero) pairs
     assert int4.weight_bytes() == stored + 128 * 128 + 8 * 128 * 2 * 2
 
 
@@ -163,3 +212,23 @@ def test_gguf_q_k_rows_are_unpermuted():
     v = gguf_quant_linear("model.layers.0.self_attn.v_proj", "Q4_1", raw, ref.shape, cfg)
     assert torch.equal(v.dequantize_weight(), torch.from_numpy(ref))
     assert not np.array_equal(unpermute_qk(ref, 2), ref)  # the permutation is not the identity
+
+
+@needs_amx
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, None), (8, 32)])
+def test_released_layer_rebuilds_its_stored_form_from_the_amx_layout(bits, group_size):
+    w, b = weight(96, 128), torch.randn(96)
+    layer = QuantLinear.from_quantized(rtn_quantize_weight(w, bits, group_size), bias=b)
+    codes, (scales, mins) = layer.codes(), layer.scales_and_mins()
+    dequantized = layer.dequantize_weight()
+    x = activations(7, 128)
+    before = layer.weight_bytes()
+    layer.pack()  # builds the AMX layout, then releases the stored form it repeats
+    assert layer.qweight is None and layer.scales is None
+    assert torch.equal(layer.codes(), codes)
+    assert all(map(torch.equal, layer.scales_and_mins(), (scales, mins)))
+    assert torch.equal(layer.dequantize_weight(), dequantized)
+    expected = F.linear(x, dequantized.to(torch.bfloat16), b.to(torch.bfloat16))
+    torch.testing.assert_close(layer(x).float(), expected.float(), rtol=2**-7, atol=1e-3)
+    packed = sum(t.numel() * t.element_size() for t in (*layer._amx, *layer._packed))
+    assert layer.weight_bytes() == before + packed - (codes.numel() * bits // 8 + 2 * scales.numel() * 4)

@@ -6,6 +6,7 @@ engine calls `fuse_for_inference`: each layer then runs 4 matmuls instead of 7 (
 for q/k/v and one [3072 x 576] for gate/up on the default model), which on 2 CPU cores saves the fixed
 cost of 90 oneDNN calls a step, and bf16 weights are reordered once (layers/packed_linear.py) instead
 of on every call. Outputs are the same rows of the same products, only computed together.
+Merged quantized layers get their kernel layouts built (quantization/linear.py, pack).
 """
 
 from __future__ import annotations
@@ -86,4 +87,9 @@ def fuse_for_inference(model: nn.Module) -> None:
         # the largest matmul of a decode step. A tied lm_head gets its own packed copy of the embedding
         # (+56 MB on the default model, counted by resident_weight_bytes): 17 -> 12 ms at 32 rows, 1 thread
         model.lm_head = prepack(model.lm_head)
+    # merged quantized layers: build their kernel layouts now, so resident bytes are right from the start
+    if model.model.embed_tokens.weight.dtype == torch.bfloat16:
+        for module in model.modules():
+            if isinstance(module, QuantLinear):
+                module.pack()
     logger.debug("fused %d projection groups; bf16 weights prepacked: %s", merged, pack)

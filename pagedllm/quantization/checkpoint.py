@@ -84,9 +84,10 @@ def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
 
 def integer_zero_points(layer: QuantLinear) -> torch.Tensor:
     """z with mins == -s*z exactly as QuantLinear.from_quantized computes it; InputError when there is none."""
-    s = layer.scales.double()
-    z = torch.round(-layer.mins.double() / s)
-    if not torch.equal((-s * z).float(), layer.mins):
+    scales, mins = layer.scales_and_mins()
+    s = scales.double()
+    z = torch.round(-mins.double() / s)
+    if not torch.equal((-s * z).float(), mins):
         raise InputError(
             f"layer {layer.name}: its zero points are not whole numbers (a GGUF-native layer?); "
             "only uniform.py-style codes can be saved",
@@ -110,7 +111,7 @@ def save_quantized(model: LlamaForCausalLM, out: str | Path, source: str | Path,
     tensors: dict[str, torch.Tensor] = {}
     for name, layer in layers.items():
         tensors[f"{name}.qweight"] = layer.portable_qweight().contiguous()
-        tensors[f"{name}.scales"] = layer.scales.contiguous()
+        tensors[f"{name}.scales"] = layer.scales_and_mins()[0].contiguous()
         tensors[f"{name}.zeros"] = integer_zero_points(layer).contiguous()
         if layer.bias is not None:
             tensors[f"{name}.bias"] = layer.bias.contiguous()

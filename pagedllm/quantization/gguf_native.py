@@ -11,8 +11,10 @@ for an fp16 d), so QuantLinear.dequantize_weight() equals it bit for bit.
 What runs where (bf16 activations): Q4_0/Q4_1 are group-32 INT4, so up to KERNEL_MAX_ROWS rows they run
 on the INT4 kernel, whose bf16 scale/zero round d (fp16, 11 bits) to 8 bits: bf16-level differences, the
 same size as storing the dequantized weight in bf16. Q8_0 has a scale per 32 weights and the INT8 kernel
-only one per channel, so Q8_0 linears take the dequantize path every call. Other types (Q4_K, Q6_K, ...)
-stay dequantized floats, as does token_embd (an embedding lookup, not a matmul).
+only one per channel, so Q8_0 linears take the dequantize path every call, unless the AMX kernel
+(quantization/amx.py) serves them, which takes group-wise 4- and 8-bit codes alike and runs every Q4/Q8
+linear above a few rows. Other types (Q4_K, Q6_K, ...) stay dequantized floats, as does the token_embd
+lookup; the lm_head (token_embd when tied) is served from its blocks only when AMX takes it.
 
 llama.cpp stores the rows of attn_q / attn_k permuted; rows are whole here (codes, scales and mins of a row
 move together), so unpermuting them is exact.
@@ -83,7 +85,7 @@ def serve_gguf_natively(
     config: ModelConfig,
     pack: bool = True,
 ) -> list[str]:
-    """Replace the model's linears whose GGUF type is Q4_0/Q4_1/Q8_0 (lm_head excepted); returns their names."""
+    """Replace the model's linears whose GGUF type is Q4_0/Q4_1/Q8_0; returns their names."""
     from pagedllm.quantization.model import linear_layer_names, set_module
 
     replaced = []
@@ -98,4 +100,15 @@ def serve_gguf_natively(
             layer.pack()
         set_module(model, name, layer)
         replaced.append(name)
+    # The lm_head (a tied one is token_embd, Q8_0 in the default model) from its blocks too, as llama.cpp
+    # does, but only where a kernel takes it: the dequantize path would rebuild 28M weights every step.
+    # Its bf16 tiles equal the dequantized checkpoint's bf16 lm_head; only the summation order differs.
+    entry = gguf_tensors.get("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight")
+    if pack and entry is not None and entry[0] in NATIVE_TYPES:
+        type_name, raw, shape = entry
+        head = gguf_quant_linear("lm_head", type_name, raw, shape, config)
+        if head.amx_usable():
+            head.pack()
+            model.lm_head = head
+            replaced.append("lm_head")
     return replaced

@@ -18,11 +18,16 @@ Kernel layouts (plain attributes, built by `pack()` for bf16 activations; never 
 The INT4 kernel takes its scales in the activation dtype, so s and zero are rounded to bf16 there: it
 reproduces s*q + m to bf16 precision (the same precision as a bf16 weight), not bit for bit.
 
-When each path runs (see KERNEL_MAX_ROWS): the packed kernels dequantize the weight again for every row
-(their time grows linearly with rows), while one bf16 GEMM reuses the weight across rows. So up to
-KERNEL_MAX_ROWS rows the kernel runs; above it, and for fp32/fp16 activations, other bit widths, INT8
-group-wise (GGUF Q8_0) and shapes the kernels refuse, the weight is dequantized for that call (float32
-math, one rounding to the activation dtype) and multiplied with F.linear. No dequantized copy is kept.
+  AMX (amx.py, csrc/woq_amx.cpp), 4- and 8-bit codes with any group size that is a multiple of 32 (so
+      GGUF Q8_0 too): its own copy of the codes in the AMX tile order, float32 scales and mins.
+
+When each path runs: torch's packed kernels dequantize the weight again for every row (their time grows
+linearly with rows), while a bf16 GEMM or the AMX kernel dequantizes or reads the weight once per call.
+With AMX (CPUs that have it), torch's kernels run up to TORCH_KERNEL_MAX_ROWS_BESIDE_AMX rows and AMX
+above, and for the layers torch's kernels refuse. Without it, torch's kernels run up to KERNEL_MAX_ROWS
+rows; above it, and for fp32/fp16 activations, other bit widths, INT8 group-wise (GGUF Q8_0) and shapes
+the kernels refuse, the weight is dequantized for that call (float32 math, one rounding to the activation
+dtype) and multiplied with F.linear. No dequantized copy is kept.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.errors import InputError
+from pagedllm.quantization import amx
 from pagedllm.quantization.pack import pack_int4, unpack_int4
 from pagedllm.quantization.uniform import QuantizedTensor
 
@@ -42,6 +48,10 @@ INT4_KERNEL_GROUPS = (32, 64, 128, 256)  # the group sizes _weight_int4pack_mm_f
 # cost ~8-20 us a row (the INT8 one a little more, plus the zero-point correction), the dequantize path
 # ~0.45-1.4 ms plus ~1-3 us a row. INT4 crosses near 64 rows, INT8 near 32-64.
 KERNEL_MAX_ROWS = {"int4": 64, "int8": 48}
+# With the AMX kernel present: it dequantizes each weight once per call (~2 us a 32 x 576 strip) and its
+# matmul costs little per row, so it wins from a few rows (2 threads, default-model shapes: 1 row torch
+# INT4 21-57 us vs AMX 48-133 us; 32 rows 244-712 vs 53-161 us). Measured crossover: 4-8 rows.
+TORCH_KERNEL_MAX_ROWS_BESIDE_AMX = 4
 
 
 def check_layer_shape(name: str, in_features: int, bits: int, group_size: int | None) -> None:
@@ -88,6 +98,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
         self._kernel: str | None = None  # "int4" / "int8" once pack() built a layout
         self._packed: tuple[torch.Tensor, ...] = ()
+        self._amx: tuple[torch.Tensor, ...] = ()  # the AMX kernel's codes, scales, mins once built
 
     # ---- construction ---------------------------------------------------------------------------------
     @classmethod
@@ -159,31 +170,35 @@ class QuantLinear(nn.Module):
                 first.group_size,
             ):
                 raise ValueError(f"cannot concatenate {first.extra_repr()} with {other.extra_repr()}")
-        has_bias = any(m.bias is not None for m in layers)
-        out = cls(
-            first.in_features,
-            sum(m.out_features for m in layers),
+        bias = None
+        if any(m.bias is not None for m in layers):
+            bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in layers])
+        parts = [m.scales_and_mins() for m in layers]
+        return cls.from_codes(
+            torch.cat([m.codes() for m in layers]),
+            torch.cat([sm[0] for sm in parts]),
+            torch.cat([sm[1] for sm in parts]),
             first.bits,
             first.group_size,
-            has_bias,
+            bias,
             name,
         )
-        out.qweight = torch.cat([m.qweight for m in layers])
-        out.scales = torch.cat([m.scales for m in layers])
-        out.mins = torch.cat([m.mins for m in layers])
-        if has_bias:
-            out.bias = torch.cat(
-                [m.bias if m.bias is not None else torch.zeros(m.out_features) for m in layers]
-            )
-        return out
 
     # ---- what is stored ---------------------------------------------------------------------------------
     @property
     def groups(self) -> int:
-        return self.scales.shape[1]
+        return self.scales_and_mins()[0].shape[1]
+
+    def scales_and_mins(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 [out, groups] each, from the stored buffers or, once released, the AMX layout."""
+        if self.scales is None:
+            return amx.unpack_groups(self._amx[1]), amx.unpack_groups(self._amx[2])
+        return self.scales, self.mins
 
     def codes(self) -> torch.Tensor:
         """The codes as uint8 [out, in]."""
+        if self.qweight is None:
+            return amx.unpack_codes(self._amx[0], self.bits)
         if self.bits <= 4:
             return unpack_int4(self.qweight, self.in_features)
         if self.bits == 8:
@@ -192,22 +207,33 @@ class QuantLinear(nn.Module):
 
     def portable_qweight(self) -> torch.Tensor:
         """The codes as checkpoint.py stores them: pack.py's nibbles for bits <= 4, else uint8 [out, in]."""
-        return self.qweight if self.bits <= 4 else self.codes()
+        if self.bits <= 4:
+            return self.qweight if self.qweight is not None else pack_int4(self.codes())
+        return self.codes()
 
     def dequantize_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """w = s*q + m computed in float32, then rounded once to `dtype` (bit-exact in float32 for GGUF's
         fp16 scales). Computing in bf16 would be ~2.5x faster but rounds q*s and the sum separately, and
         m can be much larger than w: measured 2-3x the error of a bf16 weight, so it is not done."""
+        scales, mins = self.scales_and_mins()
         q = self.codes().view(self.out_features, self.groups, -1).float()
-        w = q.mul_(self.scales.unsqueeze(-1)).add_(self.mins.unsqueeze(-1))
+        w = q.mul_(scales.unsqueeze(-1)).add_(mins.unsqueeze(-1))
         return w.reshape(self.out_features, self.in_features).to(dtype)
 
     def weight_bytes(self) -> int:
         """Resident bytes: the stored buffers plus the kernel layout when packed."""
-        tensors = [self.qweight, self.scales, self.mins, *self._packed]
+        tensors = [self.qweight, self.scales, self.mins, *self._packed, *self._amx]
         if self.bias is not None:
             tensors.append(self.bias)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def _release_portable(self) -> None:
+        """Drop the stored codes, scales and mins where the AMX layout holds the same values in another
+        order and no torch kernel reads them (INT4's packs its own copy; INT8's reads qweight, so INT8
+        layers keep them): 0.75 bytes a weight. codes(), scales_and_mins(), dequantize_weight() and
+        checkpoint.py rebuild them from the AMX layout when asked."""
+        if self._amx and self.kernel_kind() in (None, "int4") and self.qweight is not None:
+            self.qweight = self.scales = self.mins = None
 
     # ---- kernels ---------------------------------------------------------------------------------------
     def kernel_kind(self) -> str | None:
@@ -218,11 +244,23 @@ class QuantLinear(nn.Module):
             return "int8"
         return None
 
+    def amx_usable(self) -> bool:
+        """Whether the AMX kernel takes this layer (its shape, and a CPU and compiler that have it)."""
+        return amx.supports(self.bits, self.in_features, self.out_features, self.group_size) and (
+            amx.load() is not None
+        )
+
     def pack(self) -> None:
-        """Build the bf16 kernel layout from the stored form (idempotent)."""
+        """Build the kernel layouts for bf16 activations from the stored form (idempotent); where the AMX
+        layout repeats the stored form, the stored form is released (_release_portable)."""
+        if not self._amx and self.amx_usable():
+            self._amx = amx.pack_codes(self.codes(), self.scales, self.mins, self.bits)
         kind = self.kernel_kind()
-        if kind is None or self._kernel is not None:
-            return
+        if kind is not None and self._kernel is None:
+            self._pack_torch_kernel(kind)
+        self._release_portable()
+
+    def _pack_torch_kernel(self, kind: str) -> None:
         if kind == "int4":
             q = self.codes().to(torch.int32)
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
@@ -243,20 +281,45 @@ class QuantLinear(nn.Module):
         y = torch.ops.aten._weight_int8pack_mm(x, self.qweight, ones).float() * self.scales.reshape(-1)
         return torch.addcmul(y, x.float().sum(dim=1, keepdim=True), corr).to(x.dtype)
 
+    def path(self, rows: int, dtype: torch.dtype) -> str:
+        """Which implementation multiplies `rows` rows of `dtype`: "int4", "int8", "amx" or "dequantize"."""
+        if dtype != torch.bfloat16:
+            return "dequantize"
+        kind = self.kernel_kind()
+        has_amx = bool(self._amx) or self.amx_usable()
+        if kind is not None:
+            limit = TORCH_KERNEL_MAX_ROWS_BESIDE_AMX if has_amx else KERNEL_MAX_ROWS[kind]
+            if rows <= limit:
+                return kind
+        return "amx" if has_amx else "dequantize"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        kind = self.kernel_kind() if x.dtype == torch.bfloat16 else None
-        use_kernel = kind is not None and x2.shape[0] <= KERNEL_MAX_ROWS[kind]
-        if use_kernel:
-            if self._kernel is None:
-                self.pack()
-            y = self._kernel_mm(x2.contiguous())
-            if self.bias is not None:
-                y = y + self.bias.to(y.dtype)
-        else:
+        path = self.path(x2.shape[0], x.dtype)
+        if path == "dequantize":
             bias = None if self.bias is None else self.bias.to(x.dtype)
             y = F.linear(x2, self.dequantize_weight(x.dtype), bias)
+        else:
+            if (path == "amx" and not self._amx) or (path != "amx" and self._kernel is None):
+                self.pack()
+            if path == "amx":
+                bias = None if self.bias is None else self.bias.to(x.dtype)  # rounded as F.linear's would be
+                codes, scales, mins = self._amx
+                y = amx.load().gemm(
+                    x2.contiguous(),
+                    codes,
+                    scales,
+                    mins,
+                    bias,
+                    self.bits,
+                    self.group_size or self.in_features,
+                    self.out_features,
+                )
+            else:
+                y = self._kernel_mm(x2.contiguous())
+                if self.bias is not None:
+                    y = y + self.bias.to(y.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

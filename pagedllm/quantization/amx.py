@@ -1,0 +1,62 @@
+"""The AMX weight-only matmul (csrc/woq_amx.cpp): bf16 activations times 4- or 8-bit codes with a float32
+scale and min per group, dequantized once per call in 1 KB tiles instead of once per row.
+
+`load()` returns None without a compiler, on CPUs without AMX-BF16 (or when the OS refuses the tile
+state), and with PAGEDLLM_NO_CPU_KERNEL=1; QuantLinear then keeps torch's kernels.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from pagedllm.cpp_extension import load_cpp_extension
+
+SOURCE = Path(__file__).parent / "csrc" / "woq_amx.cpp"
+
+
+@cache
+def load():
+    # no contraction: w = s*q + m must round twice in float32, as dequantize_weight() does
+    ext = load_cpp_extension("pagedllm_woq_amx", SOURCE, extra_cflags=("-ffp-contract=off",))
+    if ext is None or not ext.available():
+        return None
+    return ext
+
+
+def supports(bits: int, in_features: int, out_features: int, group_size: int | None) -> bool:
+    group = in_features if group_size is None else group_size
+    return bits in (4, 8) and in_features % 32 == 0 and group % 32 == 0 and out_features % 16 == 0
+
+
+def pack_codes(
+    codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """codes uint8 [N, K] and scales / mins float32 [N, groups] -> the kernel's layout (see the .cpp):
+    each 16 output columns' codes in the AMX B-tile order e = 2n + k % 2, scales / mins [N/16, groups, 16]."""
+    n, k = codes.shape
+    e_order = codes.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32)
+    if bits == 4:
+        packed = e_order[..., :16] | (e_order[..., 16:] << 4)
+    else:
+        packed = e_order
+    groups = scales.shape[1]
+
+    def by_subtile(t: torch.Tensor) -> torch.Tensor:
+        return t.float().view(n // 16, 16, groups).transpose(1, 2).contiguous()
+
+    return packed.to(torch.uint8).contiguous(), by_subtile(scales), by_subtile(mins)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """pack_codes' codes back to uint8 [N, K] (the inverse permutation)."""
+    n16, k2 = packed.shape[:2]
+    e_order = torch.cat((packed & 0x0F, packed >> 4), dim=-1) if bits == 4 else packed
+    return e_order.view(n16, k2, 16, 2).permute(0, 2, 1, 3).reshape(n16 * 16, k2 * 2).contiguous()
+
+
+def unpack_groups(t: torch.Tensor) -> torch.Tensor:
+    """pack_codes' scales or mins back to float32 [N, groups]."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1]).contiguous()
