@@ -48,8 +48,7 @@ SCHEMES = [(4, 32), (4, 64), (4, 128), (8, None)]
 def test_packed_kernel_equals_dequantize_reference(bits, group_size, rows):
     w = weight(192, 512)
     layer = QuantLinear.from_quantized(rtn_quantize_weight(w, bits, group_size))
-    layer.pack()
-    assert layer._kernel == ("int4" if bits == 4 else "int8")
+    layer._pack_torch_kernel("int4" if bits == 4 else "int8")  # also where AMX would take INT8
     x = activations(rows, 512)
     w_hat = layer.dequantize_weight(torch.float32)  # s*q + m exactly
     assert_bf16_close(layer._kernel_mm(x), x, w_hat)
@@ -60,8 +59,9 @@ def test_packed_kernel_equals_dequantize_reference(bits, group_size, rows):
 def test_rows_above_threshold_leave_torchs_kernels(bits, group_size):
     layer = QuantLinear.from_quantized(rtn_quantize_weight(weight(64, 256), bits, group_size))
     kind = "int4" if bits == 4 else "int8"
-    if layer.amx_usable():
-        assert layer.path(TORCH_KERNEL_MAX_ROWS_BESIDE_AMX, torch.bfloat16) == kind
+    if layer.amx_usable():  # torch's INT4 kernel for a few rows; INT8 always on AMX
+        assert layer.path(1, torch.bfloat16) == ("int4" if bits == 4 else "amx")
+        assert layer.path(TORCH_KERNEL_MAX_ROWS_BESIDE_AMX, torch.bfloat16) == layer.path(1, torch.bfloat16)
         assert layer.path(TORCH_KERNEL_MAX_ROWS_BESIDE_AMX + 1, torch.bfloat16) == "amx"
         return
     rows = KERNEL_MAX_ROWS[kind] + 1
@@ -140,11 +140,12 @@ def test_fp32_activations_are_exact_and_bias_is_added():
 def test_weight_bytes():
     w = weight(128, 256)
     int8 = QuantLinear.from_quantized(rtn_quantize_weight(w, 8, None))
-    # the AMX kernel's own copy, where it runs: the codes once more + fp32 scales and mins
-    amx8 = 128 * 256 + 2 * 128 * 4 if int8.amx_usable() else 0
+    has_amx = int8.amx_usable()
     int8.pack()
-    # int8 codes once (the kernel reads them in place) + fp32 scale/min + bf16 unit scales + fp32 correction
-    assert int8.weight_bytes() == 128 * 256 + 128 * (4 + 4 + 2 + 4) + amx8
+    if has_amx:  # the AMX layout instead of the stored form: the same bytes in another order
+        assert int8.weight_bytes() == 128 * 256 + 128 * (4 + 4)
+    else:  # int8 codes once (the kernel reads them in place) + fp32 scale/min + bf16 unit scales + fp32 correction
+        assert int8.weight_bytes() == 128 * 256 + 128 * (4 + 4 + 2 + 4)
     int4 = QuantLinear.from_quantized(rtn_quantize_weight(w, 4, 32))
     stored = 128 * 128 + 2 * 128 * 8 * 4
     assert int4.weight_bytes() == stored

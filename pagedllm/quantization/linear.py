@@ -23,8 +23,8 @@ reproduces s*q + m to bf16 precision (the same precision as a bf16 weight), not 
 
 When each path runs: torch's packed kernels dequantize the weight again for every row (their time grows
 linearly with rows), while a bf16 GEMM or the AMX kernel dequantizes or reads the weight once per call.
-With AMX (CPUs that have it), torch's kernels run up to TORCH_KERNEL_MAX_ROWS_BESIDE_AMX rows and AMX
-above, and for the layers torch's kernels refuse. Without it, torch's kernels run up to KERNEL_MAX_ROWS
+With AMX (CPUs that have it), torch's INT4 kernel runs up to TORCH_KERNEL_MAX_ROWS_BESIDE_AMX rows and
+AMX above; AMX runs every INT8 layer and the layers torch's kernels refuse. Without it, torch's kernels run up to KERNEL_MAX_ROWS
 rows; above it, and for fp32/fp16 activations, other bit widths, INT8 group-wise (GGUF Q8_0) and shapes
 the kernels refuse, the weight is dequantized for that call (float32 math, one rounding to the activation
 dtype) and multiplied with F.linear. No dequantized copy is kept.
@@ -51,6 +51,8 @@ KERNEL_MAX_ROWS = {"int4": 64, "int8": 48}
 # With the AMX kernel present: it dequantizes each weight once per call (~2 us a 32 x 576 strip) and its
 # matmul costs little per row, so it wins from a few rows (2 threads, default-model shapes: 1 row torch
 # INT4 21-57 us vs AMX 48-133 us; 32 rows 244-712 vs 53-161 us). Measured crossover: 4-8 rows.
+# Torch's INT8 kernel is not used beside AMX: single-stream INT8 steps measured no faster with it (38.3 and
+# 37.0 ms against 36.2 and 32.1 on AMX, same process), and skipping it frees its copy of the codes.
 TORCH_KERNEL_MAX_ROWS_BESIDE_AMX = 4
 
 
@@ -229,10 +231,10 @@ class QuantLinear(nn.Module):
 
     def _release_portable(self) -> None:
         """Drop the stored codes, scales and mins where the AMX layout holds the same values in another
-        order and no torch kernel reads them (INT4's packs its own copy; INT8's reads qweight, so INT8
-        layers keep them): 0.75 bytes a weight. codes(), scales_and_mins(), dequantize_weight() and
+        order and no torch kernel reads them (INT4's packs its own copy; INT8's, which reads qweight, is
+        not built beside AMX): 0.75 bytes a weight for INT4, 1 for INT8. codes(), scales_and_mins(), dequantize_weight() and
         checkpoint.py rebuild them from the AMX layout when asked."""
-        if self._amx and self.kernel_kind() in (None, "int4") and self.qweight is not None:
+        if self._amx and self._kernel != "int8" and self.qweight is not None:
             self.qweight = self.scales = self.mins = None
 
     # ---- kernels ---------------------------------------------------------------------------------------
@@ -256,7 +258,7 @@ class QuantLinear(nn.Module):
         if not self._amx and self.amx_usable():
             self._amx = amx.pack_codes(self.codes(), self.scales, self.mins, self.bits)
         kind = self.kernel_kind()
-        if kind is not None and self._kernel is None:
+        if kind is not None and self._kernel is None and not (kind == "int8" and self._amx):
             self._pack_torch_kernel(kind)
         self._release_portable()
 
@@ -287,7 +289,7 @@ class QuantLinear(nn.Module):
             return "dequantize"
         kind = self.kernel_kind()
         has_amx = bool(self._amx) or self.amx_usable()
-        if kind is not None:
+        if kind is not None and not (has_amx and kind == "int8"):  # AMX beats torch's INT8 at every size
             limit = TORCH_KERNEL_MAX_ROWS_BESIDE_AMX if has_amx else KERNEL_MAX_ROWS[kind]
             if rows <= limit:
                 return kind
