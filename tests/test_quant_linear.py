@@ -233,3 +233,18 @@ def test_released_layer_rebuilds_its_stored_form_from_the_amx_layout(bits, group
     torch.testing.assert_close(layer(x).float(), expected.float(), rtol=2**-7, atol=1e-3)
     packed = sum(t.numel() * t.element_size() for t in (*layer._amx, *layer._packed))
     assert layer.weight_bytes() == before + packed - (codes.numel() * bits // 8 + 2 * scales.numel() * 4)
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (8, None)])
+def test_without_amx_torchs_kernels_and_the_dequantize_path_serve(monkeypatch, bits, group_size):
+    """CPUs without AMX (or no compiler): torch's kernels up to KERNEL_MAX_ROWS, then dequantize."""
+    monkeypatch.setattr(amx, "load", lambda: None)
+    layer = QuantLinear.from_quantized(rtn_quantize_weight(weight(64, 256), bits, group_size))
+    kind = "int4" if bits == 4 else "int8"
+    layer.pack()
+    assert layer._kernel == kind and not layer._amx and layer.qweight is not None  # nothing released
+    for rows, path in ((1, kind), (KERNEL_MAX_ROWS[kind], kind), (KERNEL_MAX_ROWS[kind] + 1, "dequantize")):
+        assert layer.path(rows, torch.bfloat16) == path
+        x = activations(rows, 256)
+        assert_bf16_close(layer(x), x, layer.dequantize_weight())
+    assert layer.path(1, torch.float32) == "dequantize"

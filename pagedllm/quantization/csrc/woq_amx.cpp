@@ -26,13 +26,12 @@
 
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 namespace {
 
 constexpr int kTile = 16;        // rows of every tile; A / B tiles are 64 bytes (32 bf16) wide
 constexpr int kKStep = 32;       // input elements one TDPBF16PS consumes
-constexpr int kTileBytes = 1024;  // one 16 x 64-byte tile
 
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1;
@@ -122,8 +121,9 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(K * 32 * BITS / 8, 1));
   at::parallel_for(0, nblocks, grain, [&](int64_t nb_begin, int64_t nb_end) {
     load_tile_config();
-    std::vector<__m512bh> strip(size_t(ksteps) * 2 * kTile + 1);  // K x 32 dequantized weights
-    __m512bh* tiles = reinterpret_cast<__m512bh*>((reinterpret_cast<uintptr_t>(strip.data()) + 63) & ~uintptr_t(63));
+    // K x 32 dequantized weights; new[] of a 64-byte vector type is 64-byte aligned and left uninitialized
+    std::unique_ptr<__m512bh[]> strip(new __m512bh[size_t(ksteps) * 2 * kTile]);
+    __m512bh* tiles = strip.get();
     alignas(64) float cbuf[4][kTile * kTile];
     for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
       const int64_t ns0 = nb * 2;
