@@ -209,3 +209,26 @@ def test_repeat_reports_one_whole_median_run():
     got = _median(runs)
     assert got["elapsed_time"] == 2.0  # of the two middle runs (1.0, 2.0), the slower
     assert got["tokens_per_second"] == 8224 / 2.0 and got["median_ttft_s"] == 1.0
+
+
+def test_report_renders_the_gguf_native_runs(tmp_path):
+    """make bench's report: the --quantization gguf runs get their own tables, with HF from their run."""
+    from pagedllm.bench import report
+
+    def run(out_tps: float) -> dict:
+        return {
+            "output_tokens_per_second": out_tps,
+            "tokens_per_second": 2 * out_tps,
+            "requests_per_second": 1.0,
+            "elapsed_time": 10.0,
+            "decode_tokens_per_second": out_tps,
+            "median_ttft_s": 0.05,
+        }
+
+    (tmp_path / "w32_gguf.json").write_text(
+        json.dumps({"pagedllm": run(400.0), "hf": run(200.0), "ratio_vs_hf": 2.0})
+    )
+    text = report.render(tmp_path)
+    assert "## The same, with the GGUF weights served natively" in text
+    assert "| 400.0 | 800.0 | 1.00 | 10.0 |" in text and "2.00x" in text
+    assert "single50:" not in text  # only what ran is shown

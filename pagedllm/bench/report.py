@@ -211,6 +211,21 @@ def render(d: Path) -> str:
             *_offline_table(s50, single=True),
             "",
         ]
+    gguf = [
+        (_load(d, f"{name}_gguf.json"), name, single) for name, single in (("w32", False), ("single50", True))
+    ]
+    if any(r for r, _, _ in gguf):
+        out += [
+            "## The same, with the GGUF weights served natively",
+            "",
+            "`--quantization gguf`: the default model's Q4_1 linears and Q8_0 lm_head multiplied from their own",
+            "blocks (torch's INT4 kernel for one row; above that, the AMX kernel where the CPU has it), HF bf16",
+            "again in the same run.",
+            "",
+        ]
+        for r, name, single in gguf:
+            if r:
+                out += [f"{name}:", "", *_offline_table(r, single=single), ""]
     serve = _load(d, "serve.json")
     if serve:
         runs = serve.get("runs", [serve])
