@@ -27,6 +27,7 @@ import torch
 
 from pagedllm.config import ModelConfig
 from pagedllm.model.loader.gguf import unpermute_qk
+from pagedllm.quantization import amx
 from pagedllm.quantization.linear import QuantLinear
 
 BLOCK = 32
@@ -104,7 +105,7 @@ def serve_gguf_natively(
     # does, but only where a kernel takes it: the dequantize path would rebuild 28M weights every step.
     # Its bf16 tiles equal the dequantized checkpoint's bf16 lm_head; only the summation order differs.
     entry = gguf_tensors.get("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight")
-    if pack and entry is not None and entry[0] in NATIVE_TYPES:
+    if pack and entry is not None and entry[0] in NATIVE_TYPES and amx.load() is not None:
         type_name, raw, shape = entry
         head = gguf_quant_linear("lm_head", type_name, raw, shape, config)
         if head.amx_usable():

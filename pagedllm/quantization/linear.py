@@ -21,13 +21,13 @@ reproduces s*q + m to bf16 precision (the same precision as a bf16 weight), not 
   AMX (amx.py, csrc/woq_amx.cpp), 4- and 8-bit codes with any group size that is a multiple of 32 (so
       GGUF Q8_0 too): its own copy of the codes in the AMX tile order, float32 scales and mins.
 
-When each path runs: torch's packed kernels dequantize the weight again for every row (their time grows
-linearly with rows), while a bf16 GEMM or the AMX kernel dequantizes or reads the weight once per call.
-With AMX (CPUs that have it), torch's INT4 kernel runs up to TORCH_KERNEL_MAX_ROWS_BESIDE_AMX rows and
-AMX above; AMX runs every INT8 layer and the layers torch's kernels refuse. Without it, torch's kernels run up to KERNEL_MAX_ROWS
-rows; above it, and for fp32/fp16 activations, other bit widths, INT8 group-wise (GGUF Q8_0) and shapes
-the kernels refuse, the weight is dequantized for that call (float32 math, one rounding to the activation
-dtype) and multiplied with F.linear. No dequantized copy is kept.
+When each path runs (`path()`): torch's packed kernels dequantize the weight again for every row (their
+time grows linearly with rows), while a bf16 GEMM or the AMX kernel dequantizes or reads the weight once
+per call. With AMX (CPUs that have it), torch's INT4 kernel runs up to TORCH_KERNEL_MAX_ROWS_BESIDE_AMX
+rows and AMX above; AMX runs every INT8 layer and the layers torch's kernels refuse. Without it, torch's
+kernels run up to KERNEL_MAX_ROWS rows; above it, and for fp32/fp16 activations, other bit widths, INT8
+group-wise (GGUF Q8_0) and shapes the kernels refuse, the weight is dequantized for that call (float32
+math, one rounding to the activation dtype) and multiplied with F.linear. No dequantized copy is kept.
 """
 
 from __future__ import annotations
@@ -232,8 +232,8 @@ class QuantLinear(nn.Module):
     def _release_portable(self) -> None:
         """Drop the stored codes, scales and mins where the AMX layout holds the same values in another
         order and no torch kernel reads them (INT4's packs its own copy; INT8's, which reads qweight, is
-        not built beside AMX): 0.75 bytes a weight for INT4, 1 for INT8. codes(), scales_and_mins(), dequantize_weight() and
-        checkpoint.py rebuild them from the AMX layout when asked."""
+        not built beside AMX): 0.75 bytes a weight for INT4, 1 for INT8. codes(), scales_and_mins(),
+        dequantize_weight() and checkpoint.py rebuild them from the AMX layout when asked."""
         if self._amx and self._kernel != "int8" and self.qweight is not None:
             self.qweight = self.scales = self.mins = None
 
@@ -246,6 +246,14 @@ class QuantLinear(nn.Module):
             return "int8"
         return None
 
+    def torch_kernel(self) -> str | None:
+        """The torch packed kernel this layer runs for small batches: kernel_kind(), except INT8 where
+        AMX is there (AMX was no slower even at one row, and INT8 then keeps one copy of its codes)."""
+        kind = self.kernel_kind()
+        if kind == "int8" and (self._amx or self.amx_usable()):
+            return None
+        return kind
+
     def amx_usable(self) -> bool:
         """Whether the AMX kernel takes this layer (its shape, and a CPU and compiler that have it)."""
         return amx.supports(self.bits, self.in_features, self.out_features, self.group_size) and (
@@ -257,8 +265,8 @@ class QuantLinear(nn.Module):
         layout repeats the stored form, the stored form is released (_release_portable)."""
         if not self._amx and self.amx_usable():
             self._amx = amx.pack_codes(self.codes(), self.scales, self.mins, self.bits)
-        kind = self.kernel_kind()
-        if kind is not None and self._kernel is None and not (kind == "int8" and self._amx):
+        kind = self.torch_kernel()
+        if kind is not None and self._kernel is None:
             self._pack_torch_kernel(kind)
         self._release_portable()
 
@@ -287,9 +295,9 @@ class QuantLinear(nn.Module):
         """Which implementation multiplies `rows` rows of `dtype`: "int4", "int8", "amx" or "dequantize"."""
         if dtype != torch.bfloat16:
             return "dequantize"
-        kind = self.kernel_kind()
+        kind = self.torch_kernel()
         has_amx = bool(self._amx) or self.amx_usable()
-        if kind is not None and not (has_amx and kind == "int8"):  # AMX beats torch's INT8 at every size
+        if kind is not None:
             limit = TORCH_KERNEL_MAX_ROWS_BESIDE_AMX if has_amx else KERNEL_MAX_ROWS[kind]
             if rows <= limit:
                 return kind
@@ -303,7 +311,7 @@ class QuantLinear(nn.Module):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             y = F.linear(x2, self.dequantize_weight(x.dtype), bias)
         else:
-            if (path == "amx" and not self._amx) or (path != "amx" and self._kernel is None):
+            if not (self._amx if path == "amx" else self._kernel):  # the layout this path reads
                 self.pack()
             if path == "amx":
                 bias = None if self.bias is None else self.bias.to(x.dtype)  # rounded as F.linear's would be

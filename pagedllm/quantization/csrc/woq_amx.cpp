@@ -25,7 +25,6 @@
 #include <unistd.h>
 
 #include <cstdint>
-#include <cstring>
 #include <memory>
 
 namespace {
@@ -95,14 +94,6 @@ inline void dequantize_tile(const uint8_t* codes, const float* scale, const floa
   }
 }
 
-// float32 -> bf16, round to nearest even (NaN stays NaN), for the output rows
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 template <int BITS>
 void woq_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
               const at::Tensor& bias, int64_t group_size, at::Tensor& out) {
@@ -115,7 +106,7 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
   const float* sp = scales.data_ptr<float>();
   const float* mp = mins.data_ptr<float>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t nblocks = (nsub_total + 1) / 2;  // blocks of 32 output columns (the last may have 16)
   // a task of at least ~64 KB of weight codes before a second thread is woken
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(K * 32 * BITS / 8, 1));
@@ -170,8 +161,8 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
             for (int s = 0; s < nsubs; ++s) {
               const float* cr = cbuf[ms * 2 + s] + r * kTile;
               const int64_t n0 = (ns0 + s) * kTile;
-              uint16_t* o = op + row * N + n0;
-              for (int j = 0; j < kTile; ++j) o[j] = to_bf16(bp ? cr[j] + bp[n0 + j] : cr[j]);
+              at::BFloat16* o = op + row * N + n0;  // rounded to nearest even, as ATen rounds
+              for (int j = 0; j < kTile; ++j) o[j] = at::BFloat16(bp ? cr[j] + bp[n0 + j] : cr[j]);
             }
           }
         }
