@@ -13,7 +13,7 @@ from pagedllm.errors import InputError
 from pagedllm.model.loader.gguf import unpermute_qk
 from pagedllm.quantization import amx
 from pagedllm.quantization.gguf_native import decode_blocks, gguf_quant_linear
-from pagedllm.quantization.linear import KERNEL_MAX_ROWS, TORCH_KERNEL_MAX_ROWS_BESIDE_AMX, QuantLinear
+from pagedllm.quantization.linear import KERNEL_MAX_ROWS, QuantLinear
 from pagedllm.quantization.model import quantize_model
 from pagedllm.quantization.rtn import rtn_quantize_weight
 from pagedllm.quantization.uniform import dequantize
@@ -59,10 +59,11 @@ def test_packed_kernel_equals_dequantize_reference(bits, group_size, rows):
 def test_rows_above_threshold_leave_torchs_kernels(bits, group_size):
     layer = QuantLinear.from_quantized(rtn_quantize_weight(weight(64, 256), bits, group_size))
     kind = "int4" if bits == 4 else "int8"
-    if layer.amx_usable():  # torch's INT4 kernel for a few rows; INT8 always on AMX
-        assert layer.path(1, torch.bfloat16) == ("int4" if bits == 4 else "amx")
-        assert layer.path(TORCH_KERNEL_MAX_ROWS_BESIDE_AMX, torch.bfloat16) == layer.path(1, torch.bfloat16)
-        assert layer.path(TORCH_KERNEL_MAX_ROWS_BESIDE_AMX + 1, torch.bfloat16) == "amx"
+    if layer.amx_usable():  # the AMX layout's gemv kernel for a few rows, its tiles above; no torch kernel
+        assert layer.path(1, torch.bfloat16) == layer.path(amx.GEMV_MAX_ROWS, torch.bfloat16) == "gemv"
+        assert layer.path(amx.GEMV_MAX_ROWS + 1, torch.bfloat16) == "amx"
+        layer.pack()
+        assert layer._kernel is None and not layer._packed
         return
     rows = KERNEL_MAX_ROWS[kind] + 1
     assert layer.path(rows, torch.bfloat16) == "dequantize"
@@ -91,6 +92,36 @@ def test_amx_kernel_equals_dequantize_reference(bits, group_size, rows):
     assert (y == exact).float().mean() > 0.99
     torch.testing.assert_close(y.float(), exact.float(), rtol=2**-7, atol=1e-3)
     assert_bf16_close(y - layer.bias.to(torch.bfloat16), x, layer.dequantize_weight())
+
+
+@needs_amx
+@pytest.mark.parametrize("bits,group_size", [*SCHEMES, (8, 32), (4, 256)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_gemv_kernel_is_closer_to_the_float32_product_than_the_amx_kernel(bits, group_size, rows):
+    w, b = weight(208, 512), torch.randn(208)  # 13 column tiles of 16
+    layer = QuantLinear.from_quantized(rtn_quantize_weight(w, bits, group_size), bias=b)
+    layer.pack()
+    assert layer.path(rows, torch.bfloat16) == "gemv"
+    x = activations(rows, 512)
+    bias = layer.bias.to(torch.bfloat16)
+    args = (*layer._amx, bias, bits, group_size or 512, 208)
+    y, y_amx = amx.load().gemv(x, *args), amx.load().gemm(x, *args)
+    assert torch.equal(layer(x), y)
+    # scale and min applied per group to exact products of x and the codes, summed in float32: no
+    # per-weight bf16 rounding, so at least as close to the float32 product as the AMX path
+    ref = x.float() @ layer.dequantize_weight().T + bias.float()
+    err, err_amx = (y.float() - ref).abs(), (y_amx.float() - ref).abs()
+    assert err.mean() <= err_amx.mean(), (err.mean(), err_amx.mean())
+    assert err.max() <= 2 * err_amx.max(), (err.max(), err_amx.max())
+    assert_bf16_close(y - bias, x, layer.dequantize_weight())
+
+
+@needs_amx
+def test_gemv_kernel_rejects_more_rows_than_it_takes():
+    layer = QuantLinear.from_quantized(rtn_quantize_weight(weight(64, 256), 4, 32))
+    layer.pack()
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        amx.load().gemv(activations(5, 256), *layer._amx, None, 4, 32, 64)
 
 
 @needs_amx
@@ -149,9 +180,11 @@ def test_weight_bytes():
     int4 = QuantLinear.from_quantized(rtn_quantize_weight(w, 4, 32))
     stored = 128 * 128 + 2 * 128 * 8 * 4
     assert int4.weight_bytes() == stored
-    # AMX: its layout holds the stored form in another order, which is then released
-    int4.pack()  # + the INT4 kernel's own nibble layout and bf16 (scale, zero) pairs
-    assert int4.weight_bytes() == stored + 128 * 128 + 8 * 128 * 2 * 2
+    int4.pack()
+    if has_amx:  # its layout holds the stored form in another order, which is then released
+        assert int4.weight_bytes() == stored
+    else:  # + the INT4 kernel's own nibble layout and bf16 (scale, zero) pairs
+        assert int4.weight_bytes() == stored + 128 * 128 + 8 * 128 * 2 * 2
 
 
 def test_bad_bits_and_group_size_raise_input_error():
@@ -192,7 +225,10 @@ def test_gguf_layer_output_equals_dequantized_layer(type_name, rows):
     codes, scales, mins, bits = decode_blocks(type_name, raw, ref.shape)
     layer = QuantLinear.from_codes(codes, scales, mins, bits, 32)
     layer.pack()
-    assert layer._kernel == ("int4" if bits == 4 else None)  # Q8_0: per-block scales, no INT8 kernel
+    if layer.amx_usable():
+        assert layer._amx and layer._kernel is None
+    else:
+        assert layer._kernel == ("int4" if bits == 4 else None)  # Q8_0: per-block scales, no INT8 kernel
     x = activations(rows, 128)
     assert_bf16_close(layer(x), x, torch.from_numpy(ref))
 

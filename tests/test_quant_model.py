@@ -51,7 +51,8 @@ def test_gguf_native_serves_every_decoder_linear_from_int4_blocks(gguf_native, g
     cfg = gguf_native.config
     layers = [m for m in quant_layers(gguf_native) if m.name != "lm_head"]
     assert len(layers) == 7 * cfg.num_layers
-    assert all(m.bits == 4 and m.group_size == 32 and m._kernel == "int4" for m in layers)
+    assert all(m.bits == 4 and m.group_size == 32 for m in layers)
+    assert all(bool(m._amx) if amx.load() else m._kernel == "int4" for m in layers)
     head = gguf_native.lm_head
     if amx.load() is None:  # tied to the (Q8_0, dequantized) embedding
         assert isinstance(head, torch.nn.Linear)
@@ -59,10 +60,12 @@ def test_gguf_native_serves_every_decoder_linear_from_int4_blocks(gguf_native, g
         assert isinstance(head, QuantLinear) and (head.bits, head.group_size) == (8, 32)
         embedding = gguf_native.model.embed_tokens.weight
         assert torch.equal(head.dequantize_weight(embedding.dtype), embedding)
-    # per decoder weight: 0.5 B AMX codes + 0.25 B fp32 scales/mins + 0.625 B torch's INT4 layout, where
-    # bf16 holds 2 B; the embedding stays bf16 in both (and the Q8_0 lm_head adds 1.25 B a weight here,
-    # where the engine's bf16 model adds its 2 B prepacked lm_head copy)
-    assert resident_weight_bytes(gguf_native) < 0.9 * resident_weight_bytes(gguf_dequantized)
+    # per decoder weight: 0.5 B codes + 0.25 B fp32 scales/mins in the AMX layout (without AMX: the stored
+    # form and torch's INT4 layout, 0.625 B more), where bf16 holds 2 B; the embedding stays bf16 in both
+    # (and the Q8_0 lm_head adds 1.25 B a weight here, where the engine's bf16 model adds its 2 B prepacked
+    # lm_head copy). Measured with AMX: 163.8 MiB against 256.6.
+    ratio = 0.7 if amx.load() else 0.9
+    assert resident_weight_bytes(gguf_native) < ratio * resident_weight_bytes(gguf_dequantized)
 
 
 def test_gguf_native_layer_equals_dequantized_weights(gguf_native):

@@ -1,5 +1,7 @@
 """The AMX weight-only matmul (csrc/woq_amx.cpp): bf16 activations times 4- or 8-bit codes with a float32
-scale and min per group, dequantized once per call in 1 KB tiles instead of once per row.
+scale and min per group, dequantized once per call in 1 KB tiles instead of once per row (`gemm`); for
+1-4 rows, AVX512-BF16 dot products on the codes themselves, with the scale and min applied per group
+(`gemv`, on the same layout).
 
 `load()` returns None without a compiler, on CPUs without AMX-BF16 (or when the OS refuses the tile
 state), and with PAGEDLLM_NO_CPU_KERNEL=1; QuantLinear then keeps torch's kernels.
@@ -15,6 +17,7 @@ import torch
 from pagedllm.cpp_extension import load_cpp_extension
 
 SOURCE = Path(__file__).parent / "csrc" / "woq_amx.cpp"
+GEMV_MAX_ROWS = 4  # rows the AVX512-BF16 dot-product kernel (gemv) takes; the AMX tiles above
 
 
 @cache

@@ -19,12 +19,13 @@ The INT4 kernel takes its scales in the activation dtype, so s and zero are roun
 reproduces s*q + m to bf16 precision (the same precision as a bf16 weight), not bit for bit.
 
   AMX (amx.py, csrc/woq_amx.cpp), 4- and 8-bit codes with any group size that is a multiple of 32 (so
-      GGUF Q8_0 too): its own copy of the codes in the AMX tile order, float32 scales and mins.
+      GGUF Q8_0 too): its own copy of the codes in the AMX tile order, float32 scales and mins. The same
+      layout feeds two kernels: AMX tiles for batches, AVX512-BF16 dot products for 1-4 rows ("gemv").
 
 When each path runs (`path()`): torch's packed kernels dequantize the weight again for every row (their
 time grows linearly with rows), while a bf16 GEMM or the AMX kernel dequantizes or reads the weight once
-per call. With AMX (CPUs that have it), torch's INT4 kernel runs up to TORCH_KERNEL_MAX_ROWS_BESIDE_AMX
-rows and AMX above; AMX runs every INT8 layer and the layers torch's kernels refuse. Without it, torch's
+per call. With AMX (CPUs that have it), every 4- and 8-bit layer it can tile runs the gemv kernel up to
+amx.GEMV_MAX_ROWS rows and AMX tiles above, and torch's kernels are not built at all. Without it, torch's
 kernels run up to KERNEL_MAX_ROWS rows; above it, and for fp32/fp16 activations, other bit widths, INT8
 group-wise (GGUF Q8_0) and shapes the kernels refuse, the weight is dequantized for that call (float32
 math, one rounding to the activation dtype) and multiplied with F.linear. No dequantized copy is kept.
@@ -48,12 +49,10 @@ INT4_KERNEL_GROUPS = (32, 64, 128, 256)  # the group sizes _weight_int4pack_mm_f
 # cost ~8-20 us a row (the INT8 one a little more, plus the zero-point correction), the dequantize path
 # ~0.45-1.4 ms plus ~1-3 us a row. INT4 crosses near 64 rows, INT8 near 32-64.
 KERNEL_MAX_ROWS = {"int4": 64, "int8": 48}
-# With the AMX kernel present: it dequantizes each weight once per call (~2 us a 32 x 576 strip) and its
-# matmul costs little per row, so it wins from a few rows (2 threads, default-model shapes: 1 row torch
-# INT4 21-57 us vs AMX 48-133 us; 32 rows 244-712 vs 53-161 us). Measured crossover: 4-8 rows.
-# Torch's INT8 kernel is not used beside AMX: single-stream INT8 steps measured no faster with it (38.3 and
-# 37.0 ms against 36.2 and 32.1 on AMX, same process), and skipping it frees its copy of the codes.
-TORCH_KERNEL_MAX_ROWS_BESIDE_AMX = 4
+# With AMX present, torch's kernels are not used: at 1-4 rows the gemv kernel on the AMX layout beat torch's
+# INT4 kernel (2 threads, hot, default-model shapes: 15-44 us against 25-60 us at one row; equal at four)
+# and needs no second copy of the codes; above 4 rows the AMX tiles win (1 row torch INT4 21-57 us vs AMX
+# 48-133 us; 32 rows 244-712 vs 53-161 us).
 
 
 def check_layer_shape(name: str, in_features: int, bits: int, group_size: int | None) -> None:
@@ -231,8 +230,7 @@ class QuantLinear(nn.Module):
 
     def _release_portable(self) -> None:
         """Drop the stored codes, scales and mins where the AMX layout holds the same values in another
-        order and no torch kernel reads them (INT4's packs its own copy; INT8's, which reads qweight, is
-        not built beside AMX): 0.75 bytes a weight for INT4, 1 for INT8. codes(), scales_and_mins(),
+        order (no torch kernel is built beside it): 0.75 bytes a weight for INT4, 1 for INT8. codes(), scales_and_mins(),
         dequantize_weight() and checkpoint.py rebuild them from the AMX layout when asked."""
         if self._amx and self._kernel != "int8" and self.qweight is not None:
             self.qweight = self.scales = self.mins = None
@@ -247,12 +245,11 @@ class QuantLinear(nn.Module):
         return None
 
     def torch_kernel(self) -> str | None:
-        """The torch packed kernel this layer runs for small batches: kernel_kind(), except INT8 where
-        AMX is there (AMX was no slower even at one row, and INT8 then keeps one copy of its codes)."""
-        kind = self.kernel_kind()
-        if kind == "int8" and (self._amx or self.amx_usable()):
+        """The torch packed kernel this layer runs for small batches: kernel_kind(), unless the AMX layout
+        is there (its gemv kernel takes the small batches, and the codes are then held once)."""
+        if self._amx or self.amx_usable():
             return None
-        return kind
+        return self.kernel_kind()
 
     def amx_usable(self) -> bool:
         """Whether the AMX kernel takes this layer (its shape, and a CPU and compiler that have it)."""
@@ -292,16 +289,16 @@ class QuantLinear(nn.Module):
         return torch.addcmul(y, x.float().sum(dim=1, keepdim=True), corr).to(x.dtype)
 
     def path(self, rows: int, dtype: torch.dtype) -> str:
-        """Which implementation multiplies `rows` rows of `dtype`: "int4", "int8", "amx" or "dequantize"."""
+        """Which implementation multiplies `rows` rows of `dtype`: "gemv", "amx", "int4", "int8" or
+        "dequantize"."""
         if dtype != torch.bfloat16:
             return "dequantize"
-        kind = self.torch_kernel()
-        has_amx = bool(self._amx) or self.amx_usable()
-        if kind is not None:
-            limit = TORCH_KERNEL_MAX_ROWS_BESIDE_AMX if has_amx else KERNEL_MAX_ROWS[kind]
-            if rows <= limit:
-                return kind
-        return "amx" if has_amx else "dequantize"
+        if self._amx or self.amx_usable():
+            return "gemv" if rows <= amx.GEMV_MAX_ROWS else "amx"
+        kind = self.kernel_kind()
+        if kind is not None and rows <= KERNEL_MAX_ROWS[kind]:
+            return kind
+        return "dequantize"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -311,16 +308,15 @@ class QuantLinear(nn.Module):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             y = F.linear(x2, self.dequantize_weight(x.dtype), bias)
         else:
-            if not (self._amx if path == "amx" else self._kernel):  # the layout this path reads
+            on_amx_layout = path in ("gemv", "amx")
+            if not (self._amx if on_amx_layout else self._kernel):  # the layout this path reads
                 self.pack()
-            if path == "amx":
+            if on_amx_layout:
                 bias = None if self.bias is None else self.bias.to(x.dtype)  # rounded as F.linear's would be
-                codes, scales, mins = self._amx
-                y = amx.load().gemm(
+                kernel = amx.load().gemv if path == "gemv" else amx.load().gemm
+                y = kernel(
                     x2.contiguous(),
-                    codes,
-                    scales,
-                    mins,
+                    *self._amx,
                     bias,
                     self.bits,
                     self.group_size or self.in_features,
