@@ -22,13 +22,14 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "woq_gemv.h"
+
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cstdint>
 #include <memory>
-#include <vector>
 
 namespace {
 
@@ -176,130 +177,6 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
 }
 
 
-// ---- a few rows: AVX512-BF16 dot products over the same layout ------------------------------------------
-// For 1-4 rows the AMX tiles are mostly padding, and dequantizing every weight to bf16 (float32 convert,
-// multiply, add, round) costs more than the dot product itself. Here the codes themselves become bf16
-// (small integers are exact in bf16) and VDPBF16PS multiplies them with x, so a group's result is
-//     sum_k x_k (s q_k + m) = s * (sum_k x_k q_k) + m * (sum_k x_k),
-// one scale and one min applied per group and 16 columns, not per weight. Exact products, float32 sums:
-// closer to the float32 result than the dequantized-bf16 weights are (no per-weight rounding), so not
-// bit-equal to the AMX path, as torch's INT4 kernel, which this replaces at small rows, was not either.
-//
-// 4-bit codes become bf16 by bit pattern: 0x4300 | q is the bf16 of 128 + q for q < 128, so the dot
-// product sums x_k (q_k + 128) and 128 * sum_k x_k is taken off again per group.
-
-// Two pair rows of 4-bit codes (32 bytes) -> two vectors of 32 bf16 values 128 + q, in e order.
-inline void decode4_rows(const uint8_t* codes, __m512i& row0, __m512i& row1) {
-  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
-  const __m512i bias = _mm512_set1_epi16(0x4300);
-  const __m512i lo = _mm512_or_si512(_mm512_and_si512(w, _mm512_set1_epi16(0x0F)), bias);  // e 0..15
-  const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(w, 4), bias);                        // e 16..31
-  row0 = _mm512_shuffle_i64x2(lo, hi, 0x44);  // row 0's bytes sit in the low 256 bits of lo and hi
-  row1 = _mm512_shuffle_i64x2(lo, hi, 0xEE);
-}
-
-// One pair row of 8-bit codes (32 bytes) -> 32 bf16 values q (integers up to 256 are exact in bf16).
-inline __m512i decode8_row(const uint8_t* codes) {
-  const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
-  const __m512 q1 =
-      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16))));
-  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(q1, q0));
-}
-
-// How far ahead the loop asks for codes, scales and mins. Decode-time weights come from L3 / DRAM, and a
-// call is too short for the hardware prefetcher to ramp up: the 120 decoder calls of a single-stream step
-// of the default model took 16.3 ms without, 8.4 ms at 1 KB / 4 groups ahead, 6.5 ms at 2 KB / 8 groups
-// (2 threads; 4 KB / 16 groups the same, 8 KB / 32 slower).
-constexpr int64_t kPrefetchCodeBytes = 2048, kPrefetchGroups = 8;
-
-template <int BITS, int M>
-void woq_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
-              const at::Tensor& bias, int64_t group_size, at::Tensor& out) {
-  const int64_t N = out.size(1), K = x.size(1);
-  const int64_t groups = K / group_size, nsub = N / kTile, pairs_per_group = group_size / 2;
-  const int64_t code_row_bytes = BITS == 4 ? 16 : 32;
-  const float offset = BITS == 4 ? 128.f : 0.f;  // what the bf16 bit pattern adds to every code
-  // x as bf16 pairs (one 32-bit broadcast feeds a VDPBF16PS), and its sum over each group in float32
-  const auto* xp = reinterpret_cast<const int32_t*>(x.data_ptr<at::BFloat16>());
-  std::vector<float> xsum(M * groups, 0.f);
-  const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
-  for (int m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) s += float(xb[m * K + k]);
-      xsum[m * groups + g] = s;
-    }
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* mp = mins.data_ptr<float>();
-  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  // a task of at least ~16 KB of codes before a second thread is woken
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(K / 2 * code_row_bytes, 1));
-  at::parallel_for(0, nsub, grain, [&](int64_t ns_begin, int64_t ns_end) {
-    for (int64_t ns = ns_begin; ns < ns_end; ++ns) {
-      const uint8_t* c = cp + ns * (K / 2) * code_row_bytes;
-      __m512 y[M];
-      for (int m = 0; m < M; ++m) y[m] = _mm512_setzero_ps();
-      for (int64_t g = 0; g < groups; ++g) {
-        // four partial sums a row: a VDPBF16PS waits on the previous one into the same register, so one
-        // chain would run at its latency rather than at the decoding's pace
-        __m512 d[M][4];
-        for (int m = 0; m < M; ++m)
-          for (int j = 0; j < 4; ++j) d[m][j] = _mm512_setzero_ps();
-        const int64_t p0 = g * pairs_per_group;
-        _mm_prefetch(reinterpret_cast<const char*>(sp + (ns * groups + g + kPrefetchGroups) * kTile), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(mp + (ns * groups + g + kPrefetchGroups) * kTile), _MM_HINT_T0);
-        for (int64_t p = p0; p < p0 + pairs_per_group; p += 4) {  // pairs_per_group is a multiple of 16
-          // one 64-byte line of codes a step for 4-bit (4 pair rows x 16 bytes), two for 8-bit
-          _mm_prefetch(reinterpret_cast<const char*>(c + p * code_row_bytes + kPrefetchCodeBytes), _MM_HINT_T0);
-          if constexpr (BITS == 8)
-            _mm_prefetch(reinterpret_cast<const char*>(c + p * code_row_bytes + kPrefetchCodeBytes + 64), _MM_HINT_T0);
-          __m512i w[4];
-          if constexpr (BITS == 4) {
-            decode4_rows(c + p * 16, w[0], w[1]);
-            decode4_rows(c + (p + 2) * 16, w[2], w[3]);
-          } else {
-            for (int j = 0; j < 4; ++j) w[j] = decode8_row(c + (p + j) * 32);
-          }
-          for (int m = 0; m < M; ++m) {
-            const int32_t* xr = xp + m * (K / 2);
-            for (int j = 0; j < 4; ++j)
-              d[m][j] = _mm512_dpbf16_ps(d[m][j], reinterpret_cast<__m512bh>(_mm512_set1_epi32(xr[p + j])),
-                                         reinterpret_cast<__m512bh>(w[j]));
-          }
-        }
-        const __m512 s = _mm512_loadu_ps(sp + (ns * groups + g) * kTile);
-        const __m512 mn = _mm512_loadu_ps(mp + (ns * groups + g) * kTile);
-        for (int m = 0; m < M; ++m) {
-          const float xs = xsum[m * groups + g];
-          const __m512 dm = _mm512_add_ps(_mm512_add_ps(d[m][0], d[m][1]), _mm512_add_ps(d[m][2], d[m][3]));
-          const __m512 qsum = _mm512_sub_ps(dm, _mm512_set1_ps(offset * xs));  // sum_k x_k q_k
-          y[m] = _mm512_fmadd_ps(s, qsum, y[m]);
-          y[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs), y[m]);
-        }
-      }
-      for (int m = 0; m < M; ++m) {
-        alignas(64) float r[kTile];
-        _mm512_store_ps(r, bp ? _mm512_add_ps(y[m], _mm512_loadu_ps(bp + ns * kTile)) : y[m]);
-        at::BFloat16* o = op + m * N + ns * kTile;
-        for (int j = 0; j < kTile; ++j) o[j] = at::BFloat16(r[j]);
-      }
-    }
-  });
-}
-
-template <int BITS>
-void woq_gemv_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
-                   const at::Tensor& bias, int64_t group_size, at::Tensor& out) {
-  switch (x.size(0)) {
-    case 1: return woq_gemv<BITS, 1>(x, codes, scales, mins, bias, group_size, out);
-    case 2: return woq_gemv<BITS, 2>(x, codes, scales, mins, bias, group_size, out);
-    case 3: return woq_gemv<BITS, 3>(x, codes, scales, mins, bias, group_size, out);
-    default: return woq_gemv<BITS, 4>(x, codes, scales, mins, bias, group_size, out);
-  }
-}
-
 }  // namespace
 
 bool available() {
@@ -342,21 +219,12 @@ at::Tensor gemm(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor mi
   return out;
 }
 
-constexpr int64_t kGemvMaxRows = 4;  // amx.GEMV_MAX_ROWS
-
-// The same product for 1-4 rows of x with AVX512-BF16 dot products (no AMX tiles): see woq_gemv.
+// The same product for 1-4 rows of x with AVX512-BF16 dot products (no AMX tiles): woq_gemv.h.
 at::Tensor gemv(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor mins, c10::optional<at::Tensor> bias,
                 int64_t bits, int64_t group_size, int64_t out_features) {
   check_args(x, codes, scales, mins, bits, group_size, out_features);
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kGemvMaxRows, "woq_amx: gemv takes 1 to 4 rows");
-  at::Tensor xa = x.contiguous();
-  auto out = at::empty({x.size(0), out_features}, x.options());
   at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  if (bits == 4)
-    woq_gemv_rows<4>(xa, codes, scales, mins, b, group_size, out);
-  else
-    woq_gemv_rows<8>(xa, codes, scales, mins, b, group_size, out);
-  return out;
+  return woq::gemv_tensor(x, codes, scales, mins, b, bits, group_size, out_features);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -1,0 +1,157 @@
+// Decode paged attention on the CPU: one query token per sequence, K/V read in place through the
+// block table (no gathered copy of the context). Work is split over (sequence, KV head) tasks; the query
+// heads of a GQA group share every K/V load. Accumulates in float whatever the cache dtype. Shared by
+// paged_decode.cpp (its own parallel_for) and model/csrc/decode_stack.cpp (inside its parallel region).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace paged {
+
+// softmax of each of `rows` rows of `len` scores, in place
+inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* sg = scores + g * len;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < len; ++t) m = std::max(m, sg[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) {
+      sg[t] = std::exp(sg[t] - m);
+      sum += sg[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+  }
+}
+
+// HEAD_DIM > 0 fixes head_dim at compile time (fully unrolled, vectorized inner loops); 0 = any.
+// Tasks [begin, end) of the B * KVH (sequence, KV head) pairs. q_stride: elements from one sequence's
+// query [H, D] to the next (H * D when contiguous); out is [B, H, D] contiguous.
+template <typename scalar_t, int64_t HEAD_DIM>
+void decode_tasks(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache,
+                  const int64_t* tables, const int64_t* lens, scalar_t* out, int64_t H, int64_t KVH,
+                  int64_t head_dim, int64_t BS, int64_t max_blocks, float scale, int64_t begin, int64_t end) {
+  const int64_t D = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
+  const int64_t G = H / KVH;
+  std::vector<float> qf(G * D), acc(G * D), scores;
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t b = task / KVH, h = task % KVH;
+    const int64_t L = lens[b];
+    scores.assign(G * L, 0.f);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) qf[g * D + d] = float(q[b * q_stride + (h * G + g) * D + d]) * scale;
+    // scores = q . k for every position, through the block table. The kernel waits on memory more
+    // than it computes: a sequence's blocks are scattered, so the hardware prefetcher cannot guess the
+    // next one; each token's row of the next block (K, and V for the second pass) is asked for ahead.
+    const int64_t* table = tables + b * max_blocks;
+    for (int64_t t = 0; t < L; ++t) {
+      const int64_t slot = table[t / BS] * BS + t % BS;
+      const scalar_t* k = k_cache + (slot * KVH + h) * D;
+      if (t + BS < L) {
+        const int64_t ahead = ((table[t / BS + 1] * BS + t % BS) * KVH + h) * D;
+        for (int64_t d = 0; d < D; d += 64 / sizeof(scalar_t)) {
+          __builtin_prefetch(k_cache + ahead + d, 0, 3);
+          __builtin_prefetch(v_cache + ahead + d, 0, 2);
+        }
+      }
+      float kf[256];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) kf[d] = float(k[d]);
+      for (int64_t g = 0; g < G; ++g) {
+        float s = 0.f;
+        const float* qg = qf.data() + g * D;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < D; ++d) s += qg[d] * kf[d];
+        scores[g * L + t] = s;
+      }
+    }
+    softmax_rows(scores.data(), G, L);
+    // out = p . v
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t t = 0; t < L; ++t) {
+      const int64_t slot = table[t / BS] * BS + t % BS;
+      const scalar_t* v = v_cache + (slot * KVH + h) * D;
+      if (t + BS < L)
+        for (int64_t d = 0; d < D; d += 64 / sizeof(scalar_t))
+          __builtin_prefetch(v_cache + ((table[t / BS + 1] * BS + t % BS) * KVH + h) * D + d, 0, 3);
+      float vf[256];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) vf[d] = float(v[d]);
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = scores[g * L + t];
+        float* ag = acc.data() + g * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) ag[d] += p * vf[d];
+      }
+    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) out[(b * H + h * G + g) * D + d] = scalar_t(acc[g * D + d]);
+  }
+}
+
+// q [B, H, D] (each sequence's [H, D] contiguous); kv_cache [2, num_blocks, block_size, KVH, D]; block_tables [B, max_blocks] int64;
+// seq_lens [B] int64. Returns [B, H, D] in q's dtype.
+inline at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables, at::Tensor seq_lens,
+                                double scale) {
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5, "paged_decode: bad ranks");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "paged_decode: q and cache dtypes differ");
+  TORCH_CHECK(kv_cache.size(4) <= 256, "paged_decode: head_dim above 256");
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();  // [B, H, D] rows may be strided
+  kv_cache = kv_cache.contiguous();
+  block_tables = block_tables.to(at::kLong).contiguous();
+  seq_lens = seq_lens.to(at::kLong).contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t NB = kv_cache.size(1), BS = kv_cache.size(2), KVH = kv_cache.size(3);
+  TORCH_CHECK(H % KVH == 0, "paged_decode: heads not a multiple of KV heads");
+  auto out = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    const scalar_t* base = kv_cache.data_ptr<scalar_t>();
+    auto run = [&](auto kernel) {
+      at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+        kernel(q.data_ptr<scalar_t>(), q.stride(0), base, base + NB * BS * KVH * D, block_tables.data_ptr<int64_t>(),
+               seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), H, KVH, D, BS, block_tables.size(1),
+               (float)scale, begin, end);
+      });
+    };
+    if (D == 64) run(decode_tasks<scalar_t, 64>);
+    else if (D == 128) run(decode_tasks<scalar_t, 128>);
+    else run(decode_tasks<scalar_t, 0>);
+  });
+  return out;
+}
+
+// New tokens' K and V [T, KVH, D] (any strides with unit last) into the cache at slot_mapping [T]: one
+// call for what two index_copy_ and their dtype conversions did.
+inline void write_kv(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tensor slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && kv_cache.dim() == 5, "write_kv: bad shapes");
+  TORCH_CHECK(kv_cache.is_contiguous() && k.stride(2) == 1 && v.stride(2) == 1, "write_kv: bad strides");
+  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == kv_cache.scalar_type(),
+              "write_kv: K/V and cache dtypes differ");
+  slot_mapping = slot_mapping.to(at::kLong).contiguous();
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2);
+  const int64_t NB = kv_cache.size(1), BS = kv_cache.size(2);
+  TORCH_CHECK(kv_cache.size(3) == KVH && kv_cache.size(4) == D, "write_kv: cache is not [2, blocks, bs, KVH, D]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = NB * BS;
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv: slot out of range");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
+    scalar_t* kc = kv_cache.data_ptr<scalar_t>();
+    scalar_t* vc = kc + num_slots * KVH * D;
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < KVH; ++h) {
+        std::copy_n(kp + t * k.stride(0) + h * k.stride(1), D, kc + (slots[t] * KVH + h) * D);
+        std::copy_n(vp + t * v.stride(0) + h * v.stride(1), D, vc + (slots[t] * KVH + h) * D);
+      }
+  });
+}
+
+}  // namespace paged
