@@ -6,7 +6,9 @@ engine calls `fuse_for_inference`: each layer then runs 4 matmuls instead of 7 (
 for q/k/v and one [3072 x 576] for gate/up on the default model), which on 2 CPU cores saves the fixed
 cost of 90 oneDNN calls a step, and bf16 weights are reordered once (layers/packed_linear.py) instead
 of on every call. Outputs are the same rows of the same products, only computed together.
-Merged quantized layers get their kernel layouts built (quantization/linear.py, pack).
+Merged quantized layers get their kernel layouts built (quantization/linear.py, pack), and where every
+decoder linear is quantized in the AMX layout, small decode steps run all layers in one C++ call
+(decode_stack.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import torch
 from torch import nn
 
+from pagedllm.model.decode_stack import build_decode_stack
 from pagedllm.model.layers.packed_linear import PackedLinear, prepacking_available
 from pagedllm.quantization.linear import QuantLinear
 
@@ -92,4 +95,10 @@ def fuse_for_inference(model: nn.Module) -> None:
         for module in model.modules():
             if isinstance(module, QuantLinear):
                 module.pack()
-    logger.debug("fused %d projection groups; bf16 weights prepacked: %s", merged, pack)
+    model.decode_stack = build_decode_stack(model)
+    logger.debug(
+        "fused %d projection groups; bf16 weights prepacked: %s; C++ decode stack: %s",
+        merged,
+        pack,
+        model.decode_stack is not None,
+    )

@@ -13,6 +13,7 @@ from torch import nn
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged import paged_attention, write_kv
 from pagedllm.config import ModelConfig
+from pagedllm.model import decode_stack
 from pagedllm.model.layers import cpu_ops
 from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding, apply_rotary
@@ -112,6 +113,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # the decoder layers as one C++ call for small decode steps (decode_stack.py), set by fuse.py
+        self.decode_stack = None
 
     @torch.inference_mode()
     def forward(
@@ -123,8 +126,13 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions, x.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
+        if self.decode_stack is not None and decode_stack.applies(meta, x, kv_caches):
+            x = self.decode_stack.forward(
+                x, *rope, kv_caches, meta.block_tables, meta.seq_lens_tensor, meta.slot_mapping
+            )
+        else:
+            for layer, kv_cache in zip(self.model.layers, kv_caches):
+                x = layer(x, rope, kv_cache, meta)
         return self.model.norm(x)
 
     @torch.inference_mode()

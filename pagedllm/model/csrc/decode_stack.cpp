@@ -1,0 +1,99 @@
+// Every decoder layer of a decode step in one C++ call, for batches of 1-4 sequences whose linears are
+// all quantized in the AMX layout (quantization/linear.py).
+//
+// Why: a single-stream step of the default model served from its GGUF blocks spent ~13 ms in its 121
+// matmuls and ~6 ms in everything else, most of it the Python and dispatch around ~12 small calls a
+// layer. Here each layer is the same calls made from C++: the same functions the Python path binds
+// (layer_ops.h, paged_decode.h, woq_gemv.h) on the same tensors in the same order, so the result is the
+// Python path's bit for bit, only without its per-call cost.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "../../attention/csrc/paged_decode.h"
+#include "../../quantization/csrc/woq_gemv.h"
+#include "../layers/csrc/layer_ops.h"
+
+#include <vector>
+
+namespace {
+
+// One quantized linear in the AMX layout: codes, scales, mins (woq_amx.cpp) and a float32 bias or none.
+struct Linear {
+  at::Tensor codes, scales, mins, bias;
+  int64_t bits, group_size, out_features;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    return woq::gemv_tensor(x, codes, scales, mins, bias, bits, group_size, out_features);
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_attention_norm;
+  Linear qkv, o, gate_up, down;
+};
+
+class DecodeStack {
+ public:
+  // Per layer, in this order: input norm weight, post-attention norm weight, then for qkv, o, gate_up,
+  // down: codes, scales, mins, bias (an empty tensor for none); `shapes` holds (bits, group_size,
+  // out_features) for each of the four linears of each layer.
+  DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> shapes, int64_t num_heads,
+              int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {
+    constexpr size_t kTensors = 2 + 4 * 4, kShapes = 4 * 3;
+    TORCH_CHECK(tensors.size() % kTensors == 0 && shapes.size() == tensors.size() / kTensors * kShapes,
+                "decode_stack: tensors and shapes do not describe whole layers");
+    for (size_t l = 0; l < tensors.size() / kTensors; ++l) {
+      const at::Tensor* t = tensors.data() + l * kTensors;
+      const int64_t* s = shapes.data() + l * kShapes;
+      auto linear = [&](int i) {
+        const at::Tensor* p = t + 2 + 4 * i;
+        const at::Tensor bias = p[3].numel() ? p[3].to(at::kFloat).contiguous() : at::Tensor();
+        return Linear{p[0], p[1], p[2], bias, s[3 * i], s[3 * i + 1], s[3 * i + 2]};
+      };
+      layers_.push_back(Layer{t[0], t[1], linear(0), linear(1), linear(2), linear(3)});
+    }
+  }
+
+  // x [B, hidden] bf16 (the embeddings); cos / sin as rotary.cos_sin gives them; one cache per layer.
+  // Returns the hidden states after the last layer (before the final norm).
+  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                     const std::vector<at::Tensor>& kv_caches, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, const at::Tensor& slot_mapping) const {
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "decode_stack: one KV cache per layer");
+    const int64_t B = x.size(0), H = num_heads_, KVH = num_kv_heads_, D = head_dim_;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& layer = layers_[l];
+      // attention: LlamaAttention.forward
+      const at::Tensor qkv = layer.qkv(layer_ops::rms_norm(x, layer.input_norm, eps_));
+      const at::Tensor q = qkv.narrow(1, 0, H * D).view({B, H, D});
+      const at::Tensor k = qkv.narrow(1, H * D, KVH * D).view({B, KVH, D});
+      const at::Tensor v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({B, KVH, D});
+      layer_ops::rotary_(q, cos, sin);
+      layer_ops::rotary_(k, cos, sin);
+      paged::write_kv(k, v, kv_caches[l], slot_mapping);
+      const at::Tensor o = paged::paged_decode(q, kv_caches[l], block_tables, seq_lens, scale_);
+      const at::Tensor attn = layer.o(o.view({B, H * D}));
+      // residual + norm, then the MLP: LlamaDecoderLayer.forward, LlamaMLP.forward
+      const std::vector<at::Tensor> sum_h = layer_ops::add_rms_norm(attn, x, layer.post_attention_norm, eps_);
+      const at::Tensor mlp = layer.down(layer_ops::silu_mul(layer.gate_up(sum_h[1])));
+      x = sum_h[0] + mlp;
+    }
+    return x;
+  }
+
+ private:
+  std::vector<Layer> layers_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t, double,
+                          double>())
+      .def("forward", &DecodeStack::forward, "all decoder layers of a decode step (1-4 sequences)");
+  m.attr("MAX_ROWS") = woq::kGemvMaxRows;
+}

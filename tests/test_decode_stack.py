@@ -1,0 +1,162 @@
+"""The C++ decode stack (model/decode_stack.py): all decoder layers of a small decode step in one call.
+
+It makes the Python layer loop's calls from C++, so it must give the loop's hidden states and KV cache
+bit for bit, for every batch size it takes, and step aside for everything else.
+"""
+
+import pytest
+import torch
+from tiny_models import save_tiny_llama, save_tiny_qwen2
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.model import decode_stack
+from pagedllm.model.build import build_model
+from pagedllm.model.fuse import fuse_for_inference
+from pagedllm.model.loader import default_model_path
+from pagedllm.quantization import amx
+
+BF16 = torch.bfloat16
+needs_amx = pytest.mark.skipif(amx.load() is None, reason="no AMX on this CPU (or no compiler)")
+
+
+def fused(path, quantization):
+    model, _ = build_model(path, BF16, quantization, show_progress=False)
+    fuse_for_inference(model)
+    return model
+
+
+@pytest.fixture(scope="module")
+def gguf_model():
+    return fused(default_model_path(), "gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_int4(tmp_path_factory):  # q/k/v bias, 3 heads over 1 KV head, head_dim 32
+    return fused(save_tiny_qwen2(tmp_path_factory.mktemp("qwen2")), "int4")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_int8(tmp_path_factory):
+    return fused(save_tiny_llama(tmp_path_factory.mktemp("llama")), "int8")
+
+
+def decode_batch(model, lengths: list[int], steps: int, block_size: int = 16):
+    """Prefill len(lengths) random sequences with the layer loop, then decode `steps` tokens for all of
+    them together, once through the stack and once through the loop (on a copy of the caches).
+    Returns [(stack hidden, loop hidden)] per step and the two final caches."""
+    cfg = model.config
+    gen = torch.Generator().manual_seed(sum(lengths))
+    total = [n + steps for n in lengths]
+    # scattered, interleaved block tables: block b of sequence i is 1 + i + b * len(lengths)
+    blocks = [-(-n // block_size) for n in total]
+    tables = [[1 + i + b * len(lengths) for b in range(nb)] for i, nb in enumerate(blocks)]
+    num_blocks = 2 + max(max(t) for t in tables)
+    caches = [
+        torch.zeros(2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=BF16)
+        for _ in range(cfg.num_layers)
+    ]
+    width = max(blocks)
+    table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+
+    def slot(i: int, p: int) -> int:
+        return tables[i][p // block_size] * block_size + p % block_size
+
+    ids = [torch.randint(3, cfg.vocab_size, (n,), generator=gen) for n in total]
+    stack, model.decode_stack = model.decode_stack, None
+    for i, n in enumerate(lengths):  # prefills, one sequence each, through the layer loop
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([slot(i, p) for p in range(n)]),
+            query_start_loc=[0, n],
+            seq_lens=[n],
+            block_tables=table_tensor[i : i + 1],
+            num_decodes=0,
+            seq_lens_tensor=torch.tensor([n]),
+            block_size=block_size,
+        )
+        model(ids[i][:n], torch.arange(n), caches, meta)
+    loop_caches = [c.clone() for c in caches]
+    hidden = []
+    for s in range(steps):
+        pos = [n + s for n in lengths]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([slot(i, p) for i, p in enumerate(pos)]),
+            query_start_loc=list(range(len(lengths) + 1)),
+            seq_lens=[p + 1 for p in pos],
+            block_tables=table_tensor,
+            num_decodes=len(lengths),
+            seq_lens_tensor=torch.tensor([p + 1 for p in pos]),
+            block_size=block_size,
+        )
+        step_ids = torch.stack([ids[i][p] for i, p in enumerate(pos)])
+        positions = torch.tensor(pos)
+        model.decode_stack = stack
+        assert decode_stack.applies(meta, model.model.embed_tokens(step_ids), caches)
+        got = model(step_ids, positions, caches, meta)
+        model.decode_stack = None
+        want = model(step_ids, positions, loop_caches, meta)
+        hidden.append((got, want))
+    model.decode_stack = stack
+    return hidden, caches, loop_caches
+
+
+@needs_amx
+@pytest.mark.parametrize("lengths", [[37], [5, 70], [16, 1, 33], [64, 17, 2, 40]])
+def test_stack_equals_the_layer_loop_on_the_default_gguf_model(gguf_model, lengths):
+    assert gguf_model.decode_stack is not None
+    hidden, caches, loop_caches = decode_batch(gguf_model, lengths, steps=3)
+    for got, want in hidden:
+        assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(caches, loop_caches))
+
+
+@needs_amx
+@pytest.mark.parametrize("which", ["qwen2 int4", "llama int8"])
+def test_stack_equals_the_layer_loop_on_other_shapes(which, tiny_qwen2_int4, tiny_llama_int8):
+    model = tiny_qwen2_int4 if which == "qwen2 int4" else tiny_llama_int8
+    assert model.decode_stack is not None
+    hidden, caches, loop_caches = decode_batch(model, [9, 20, 3], steps=2)
+    for got, want in hidden:
+        assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(caches, loop_caches))
+
+
+@needs_amx
+def test_engine_greedy_outputs_are_the_same_without_the_stack():
+    llm = LLM(quantization="gguf", show_progress=False)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert llm.llm_engine.model.decode_stack is not None
+    with_stack = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    llm.llm_engine.model.decode_stack = None
+    llm.reset_prefix_cache()
+    without = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert with_stack == without
+
+
+def test_stack_is_built_only_for_models_it_can_run(gguf_model, tiny_qwen2_int4):
+    bf16 = fused(default_model_path(), None)  # prepacked bf16 linears: the layer loop
+    assert bf16.decode_stack is None
+    if amx.load() is None:
+        assert gguf_model.decode_stack is None and tiny_qwen2_int4.decode_stack is None
+
+
+def test_stack_steps_aside_for_prefills_large_batches_and_quantized_caches():
+    cfg_cache = torch.zeros(2, 4, 16, 3, 64, dtype=BF16)
+
+    def meta(num_seqs: int, num_decodes: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=torch.zeros(num_seqs, dtype=torch.long),
+            query_start_loc=list(range(num_seqs + 1)),
+            seq_lens=[1] * num_seqs,
+            block_tables=torch.zeros(num_seqs, 1, dtype=torch.long),
+            num_decodes=num_decodes,
+            seq_lens_tensor=torch.ones(num_seqs, dtype=torch.long),
+        )
+
+    x = lambda rows: torch.zeros(rows, 576, dtype=BF16)  # noqa: E731
+    assert decode_stack.applies(meta(4, 4), x(4), [cfg_cache])
+    assert not decode_stack.applies(meta(5, 5), x(5), [cfg_cache])  # more rows than the gemv kernel takes
+    assert not decode_stack.applies(meta(2, 1), x(2), [cfg_cache])  # a prefill in the batch
+    assert not decode_stack.applies(meta(1, 1), x(1), [cfg_cache.to(torch.float32)])
+    assert not decode_stack.applies(meta(1, 1), x(1), [object()])  # a QuantizedKVCache
