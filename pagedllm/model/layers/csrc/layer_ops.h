@@ -36,8 +36,24 @@ void rms_norm_rows(const scalar_t* x, const float* mean_sq, const scalar_t* weig
   });
 }
 
+// mean(float(x)^2) per row, as x.float().pow(2).mean(-1) computes it: the squares are the same float
+// products (ATen's pow(2) is x * x), made here in one pass instead of a conversion and a pow, and the
+// mean is ATen's own reduction over them.
 inline at::Tensor mean_of_squares(const at::Tensor& x) {
-  return x.to(at::kFloat).pow(2).mean(-1).contiguous();
+  const int64_t rows = x.size(0), width = x.size(1), xs = x.stride(0);
+  auto squares = at::empty({rows, width}, x.options().dtype(at::kFloat));
+  float* sq = squares.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mean_of_squares", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t i = 0; i < width; ++i) {
+          const float v = float(xp[r * xs + i]);
+          sq[r * width + i] = v * v;
+        }
+    });
+  });
+  return squares.mean(-1);
 }
 
 inline at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
