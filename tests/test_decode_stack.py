@@ -1,7 +1,8 @@
-"""The C++ decode stack (model/decode_stack.py): all decoder layers of a small decode step in one call.
+"""The C++ decode stack (model/decode_stack.py): all decoder layers of a step in one call.
 
 It makes the Python layer loop's calls from C++, so it must give the loop's hidden states and KV cache
-bit for bit, for every batch size it takes, and step aside for everything else.
+bit for bit, for fresh prefills and decode batches of every size (the 1-4 row kernel and the AMX tiles),
+and step aside for everything else.
 """
 
 import pytest
@@ -41,10 +42,10 @@ def tiny_llama_int8(tmp_path_factory):
     return fused(save_tiny_llama(tmp_path_factory.mktemp("llama")), "int8")
 
 
-def decode_batch(model, lengths: list[int], steps: int, block_size: int = 16):
-    """Prefill len(lengths) random sequences with the layer loop, then decode `steps` tokens for all of
-    them together, once through the stack and once through the loop (on a copy of the caches).
-    Returns [(stack hidden, loop hidden)] per step and the two final caches."""
+def stack_and_loop(model, lengths: list[int], steps: int, block_size: int = 16):
+    """Prefill len(lengths) random sequences one by one, then decode `steps` tokens for all of them
+    together; every step once through the stack and once through the layer loop, on two copies of the
+    caches. Returns [(stack hidden, loop hidden)] for every step and the two final caches."""
     cfg = model.config
     gen = torch.Generator().manual_seed(sum(lengths))
     total = [n + steps for n in lengths]
@@ -56,6 +57,7 @@ def decode_batch(model, lengths: list[int], steps: int, block_size: int = 16):
         torch.zeros(2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=BF16)
         for _ in range(cfg.num_layers)
     ]
+    loop_caches = [c.clone() for c in caches]
     width = max(blocks)
     table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables])
 
@@ -63,20 +65,28 @@ def decode_batch(model, lengths: list[int], steps: int, block_size: int = 16):
         return tables[i][p // block_size] * block_size + p % block_size
 
     ids = [torch.randint(3, cfg.vocab_size, (n,), generator=gen) for n in total]
-    stack, model.decode_stack = model.decode_stack, None
-    for i, n in enumerate(lengths):  # prefills, one sequence each, through the layer loop
+    stack = model.decode_stack
+    hidden = []
+
+    def both(step_ids, positions, meta):
+        model.decode_stack = stack
+        assert decode_stack.applies(meta, model.model.embed_tokens(step_ids), caches)
+        got = model(step_ids, positions, caches, meta)
+        model.decode_stack = None
+        hidden.append((got, model(step_ids, positions, loop_caches, meta)))
+        model.decode_stack = stack
+
+    for i, n in enumerate(lengths):  # fresh prefills, one sequence each
         meta = AttentionMetadata(
             slot_mapping=torch.tensor([slot(i, p) for p in range(n)]),
             query_start_loc=[0, n],
             seq_lens=[n],
             block_tables=table_tensor[i : i + 1],
-            num_decodes=0,
+            num_decodes=1 if n == 1 else 0,
             seq_lens_tensor=torch.tensor([n]),
             block_size=block_size,
         )
-        model(ids[i][:n], torch.arange(n), caches, meta)
-    loop_caches = [c.clone() for c in caches]
-    hidden = []
+        both(ids[i][:n], torch.arange(n), meta)
     for s in range(steps):
         pos = [n + s for n in lengths]
         meta = AttentionMetadata(
@@ -88,37 +98,33 @@ def decode_batch(model, lengths: list[int], steps: int, block_size: int = 16):
             seq_lens_tensor=torch.tensor([p + 1 for p in pos]),
             block_size=block_size,
         )
-        step_ids = torch.stack([ids[i][p] for i, p in enumerate(pos)])
-        positions = torch.tensor(pos)
-        model.decode_stack = stack
-        assert decode_stack.applies(meta, model.model.embed_tokens(step_ids), caches)
-        got = model(step_ids, positions, caches, meta)
-        model.decode_stack = None
-        want = model(step_ids, positions, loop_caches, meta)
-        hidden.append((got, want))
-    model.decode_stack = stack
+        both(torch.stack([ids[i][p] for i, p in enumerate(pos)]), torch.tensor(pos), meta)
     return hidden, caches, loop_caches
 
 
-@needs_amx
-@pytest.mark.parametrize("lengths", [[37], [5, 70], [16, 1, 33], [64, 17, 2, 40]])
-def test_stack_equals_the_layer_loop_on_the_default_gguf_model(gguf_model, lengths):
-    assert gguf_model.decode_stack is not None
-    hidden, caches, loop_caches = decode_batch(gguf_model, lengths, steps=3)
+def assert_stack_equals_loop(model, lengths: list[int], steps: int) -> None:
+    assert model.decode_stack is not None
+    hidden, caches, loop_caches = stack_and_loop(model, lengths, steps)
+    assert len(hidden) == len(lengths) + steps
     for got, want in hidden:
         assert torch.equal(got, want)
     assert all(torch.equal(a, b) for a, b in zip(caches, loop_caches))
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "lengths",
+    [[37], [5, 70], [16, 1, 33], [64, 17, 2, 40], [3, 9, 18, 30, 41, 50, 7]],  # 7 rows: the AMX tiles
+)
+def test_stack_equals_the_layer_loop_on_the_default_gguf_model(gguf_model, lengths):
+    assert_stack_equals_loop(gguf_model, lengths, steps=3)
 
 
 @needs_amx
 @pytest.mark.parametrize("which", ["qwen2 int4", "llama int8"])
-def test_stack_equals_the_layer_loop_on_other_shapes(which, tiny_qwen2_int4, tiny_llama_int8):
-    model = tiny_qwen2_int4 if which == "qwen2 int4" else tiny_llama_int8
-    assert model.decode_stack is not None
-    hidden, caches, loop_caches = decode_batch(model, [9, 20, 3], steps=2)
-    for got, want in hidden:
-        assert torch.equal(got, want)
-    assert all(torch.equal(a, b) for a, b in zip(caches, loop_caches))
+@pytest.mark.parametrize("lengths", [[9, 20, 3], [4, 8, 12, 16, 20, 24]])
+def test_stack_equals_the_layer_loop_on_other_shapes(which, lengths, tiny_qwen2_int4, tiny_llama_int8):
+    assert_stack_equals_loop(tiny_qwen2_int4 if which == "qwen2 int4" else tiny_llama_int8, lengths, steps=2)
 
 
 @needs_amx
@@ -141,22 +147,30 @@ def test_stack_is_built_only_for_models_it_can_run(gguf_model, tiny_qwen2_int4):
         assert gguf_model.decode_stack is None and tiny_qwen2_int4.decode_stack is None
 
 
-def test_stack_steps_aside_for_prefills_large_batches_and_quantized_caches():
-    cfg_cache = torch.zeros(2, 4, 16, 3, 64, dtype=BF16)
+def test_stack_steps_aside_for_mixed_and_chunked_steps_and_quantized_caches():
+    cache = torch.zeros(2, 4, 16, 3, 64, dtype=BF16)
 
-    def meta(num_seqs: int, num_decodes: int) -> AttentionMetadata:
+    def meta(new_tokens: list[int], seq_lens: list[int]) -> AttentionMetadata:
+        starts = [0]
+        for n in new_tokens:
+            starts.append(starts[-1] + n)
         return AttentionMetadata(
-            slot_mapping=torch.zeros(num_seqs, dtype=torch.long),
-            query_start_loc=list(range(num_seqs + 1)),
-            seq_lens=[1] * num_seqs,
-            block_tables=torch.zeros(num_seqs, 1, dtype=torch.long),
-            num_decodes=num_decodes,
-            seq_lens_tensor=torch.ones(num_seqs, dtype=torch.long),
+            slot_mapping=torch.zeros(starts[-1], dtype=torch.long),
+            query_start_loc=starts,
+            seq_lens=seq_lens,
+            block_tables=torch.zeros(len(seq_lens), 1, dtype=torch.long),
+            num_decodes=sum(n == 1 for n in new_tokens),
+            seq_lens_tensor=torch.tensor(seq_lens),
         )
 
-    x = lambda rows: torch.zeros(rows, 576, dtype=BF16)  # noqa: E731
-    assert decode_stack.applies(meta(4, 4), x(4), [cfg_cache])
-    assert not decode_stack.applies(meta(5, 5), x(5), [cfg_cache])  # more rows than the gemv kernel takes
-    assert not decode_stack.applies(meta(2, 1), x(2), [cfg_cache])  # a prefill in the batch
-    assert not decode_stack.applies(meta(1, 1), x(1), [cfg_cache.to(torch.float32)])
-    assert not decode_stack.applies(meta(1, 1), x(1), [object()])  # a QuantizedKVCache
+    def x(rows: int) -> torch.Tensor:
+        return torch.zeros(rows, 576, dtype=BF16)
+
+    assert decode_stack.applies(meta([1] * 4, [9, 3, 5, 7]), x(4), [cache])  # decodes
+    assert decode_stack.applies(meta([1] * 32, [9] * 32), x(32), [cache])
+    assert decode_stack.applies(meta([12], [12]), x(12), [cache])  # one fresh prefill
+    assert not decode_stack.applies(meta([1, 12], [9, 12]), x(13), [cache])  # decodes and a prefill
+    assert not decode_stack.applies(meta([5, 7], [5, 7]), x(12), [cache])  # two prefills
+    assert not decode_stack.applies(meta([12], [40]), x(12), [cache])  # a chunk after a cached prefix
+    assert not decode_stack.applies(meta([1], [9]), x(1), [cache.to(torch.float32)])
+    assert not decode_stack.applies(meta([1], [9]), x(1), [object()])  # a QuantizedKVCache

@@ -1,11 +1,12 @@
-"""All decoder layers of a small decode step in one C++ call (csrc/decode_stack.cpp).
+"""All decoder layers of a step in one C++ call (csrc/decode_stack.cpp).
 
-For 1-4 sequences decoding one token each, a step of a model whose linears are quantized in the AMX
-layout (quantization/linear.py) costs more in the Python and dispatch around its ~12 calls a layer than
-in their arithmetic. The C++ stack makes the same calls on the same tensors (the functions the Python
-path binds), so its hidden states equal the Python path's bit for bit. Built by fuse.py when every
-decoder linear qualifies; the model falls back to its layer loop for anything else (prefills, larger
-batches, a quantized KV cache).
+A single-stream decode step of a model whose linears are quantized in the AMX layout
+(quantization/linear.py) costs more in the Python and dispatch around its ~12 calls a layer than in
+their arithmetic. The C++ stack makes the same calls on the same tensors (the functions the Python path
+binds, the same ATen attention op), so its hidden states equal the Python path's bit for bit. It runs
+the steps that are all decodes (any number) and the prefill of one prompt with nothing cached before it
+(a request's first token); built by fuse.py when every decoder linear qualifies. Everything else (mixed
+or chunked steps, several prefills, a quantized KV cache) takes the model's layer loop.
 """
 
 from __future__ import annotations
@@ -63,11 +64,17 @@ def build_decode_stack(model):
     return ext.DecodeStack(tensors, shapes, attn.num_heads, attn.num_kv_heads, attn.head_dim, eps, attn.scale)
 
 
+def is_fresh_prefill(meta: AttentionMetadata) -> bool:
+    """One prompt's prefill with nothing cached before it (all its tokens new)."""
+    return meta.num_seqs == 1 and meta.num_decodes == 0 and meta.query_start_loc[1] == meta.seq_lens[0]
+
+
 def applies(meta: AttentionMetadata, x: torch.Tensor, kv_caches: list) -> bool:
-    """Whether this step is one the stack runs: decodes only, 1-4 of them, a plain (unquantized) cache."""
+    """Whether the stack runs this step: decodes only, or one fresh prefill, over a plain (unquantized)
+    cache."""
     return (
-        meta.num_decodes == meta.num_seqs
-        and 1 <= x.shape[0] <= amx.GEMV_MAX_ROWS
+        x.shape[0] > 0
+        and (meta.num_decodes == meta.num_seqs or is_fresh_prefill(meta))
         and isinstance(kv_caches[0], torch.Tensor)
         and kv_caches[0].dtype == x.dtype
     )

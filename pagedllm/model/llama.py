@@ -113,7 +113,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # the decoder layers as one C++ call for small decode steps (decode_stack.py), set by fuse.py
+        # the decoder layers as one C++ call for decode steps and fresh prefills (decode_stack.py), by fuse.py
         self.decode_stack = None
 
     @torch.inference_mode()
@@ -127,8 +127,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions, x.dtype)
         if self.decode_stack is not None and decode_stack.applies(meta, x, kv_caches):
+            prefill = decode_stack.is_fresh_prefill(meta)
             x = self.decode_stack.forward(
-                x, *rope, kv_caches, meta.block_tables, meta.seq_lens_tensor, meta.slot_mapping
+                x, *rope, kv_caches, meta.block_tables, meta.seq_lens_tensor, meta.slot_mapping, prefill
             )
         else:
             for layer, kv_cache in zip(self.model.layers, kv_caches):

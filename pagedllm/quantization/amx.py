@@ -22,8 +22,9 @@ GEMV_MAX_ROWS = 4  # rows the AVX512-BF16 dot-product kernel (gemv) takes; the A
 
 @cache
 def load():
-    # no contraction: w = s*q + m must round twice in float32, as dequantize_weight() does
-    ext = load_cpp_extension("pagedllm_woq_amx", SOURCE, extra_cflags=("-ffp-contract=off",))
+    # woq_amx.h compiles its code without floating-point contraction: w = s*q + m must round twice in
+    # float32, as dequantize_weight() does
+    ext = load_cpp_extension("pagedllm_woq_amx", SOURCE)
     if ext is None or not ext.available():
         return None
     return ext

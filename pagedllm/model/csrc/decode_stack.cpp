@@ -1,15 +1,16 @@
-// Every decoder layer of a decode step in one C++ call, for batches of 1-4 sequences whose linears are
-// all quantized in the AMX layout (quantization/linear.py).
+// Every decoder layer of a step in one C++ call, for models whose linears are all quantized in the AMX
+// layout (quantization/linear.py), on the steps that are all decodes, or one prompt's whole prefill.
 //
 // Why: a single-stream step of the default model served from its GGUF blocks spent ~13 ms in its 121
 // matmuls and ~6 ms in everything else, most of it the Python and dispatch around ~12 small calls a
 // layer. Here each layer is the same calls made from C++: the same functions the Python path binds
-// (layer_ops.h, paged_decode.h, woq_gemv.h) on the same tensors in the same order, so the result is the
-// Python path's bit for bit, only without its per-call cost.
+// (layer_ops.h, paged_decode.h, woq_gemv.h, woq_amx.h) and the same ATen attention op, on the same
+// tensors in the same order, so the result is the Python path's bit for bit, without its per-call cost.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "../../attention/csrc/paged_decode.h"
+#include "../../quantization/csrc/woq_amx.h"
 #include "../../quantization/csrc/woq_gemv.h"
 #include "../layers/csrc/layer_ops.h"
 
@@ -22,8 +23,11 @@ struct Linear {
   at::Tensor codes, scales, mins, bias;
   int64_t bits, group_size, out_features;
 
+  // the kernel QuantLinear.path() picks: dot products for a few rows, AMX tiles above
   at::Tensor operator()(const at::Tensor& x) const {
-    return woq::gemv_tensor(x, codes, scales, mins, bias, bits, group_size, out_features);
+    if (x.size(0) <= woq::kGemvMaxRows)
+      return woq::gemv_tensor(x, codes, scales, mins, bias, bits, group_size, out_features);
+    return woq::gemm_tensor(x, codes, scales, mins, bias, bits, group_size, out_features);
   }
 };
 
@@ -55,11 +59,13 @@ class DecodeStack {
     }
   }
 
-  // x [B, hidden] bf16 (the embeddings); cos / sin as rotary.cos_sin gives them; one cache per layer.
+  // x [T, hidden] bf16 (the embeddings); cos / sin as rotary.cos_sin gives them; one cache per layer.
+  // prefill: the T rows are one prompt with nothing cached before it (attention over the fresh K/V, as
+  // attention/paged.py's _prefill_one); else T sequences decoding one token each (paged_decode).
   // Returns the hidden states after the last layer (before the final norm).
   at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& block_tables,
-                     const at::Tensor& seq_lens, const at::Tensor& slot_mapping) const {
+                     const at::Tensor& seq_lens, const at::Tensor& slot_mapping, bool prefill) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "decode_stack: one KV cache per layer");
     const int64_t B = x.size(0), H = num_heads_, KVH = num_kv_heads_, D = head_dim_;
     for (size_t l = 0; l < layers_.size(); ++l) {
@@ -72,7 +78,7 @@ class DecodeStack {
       layer_ops::rotary_(q, cos, sin);
       layer_ops::rotary_(k, cos, sin);
       paged::write_kv(k, v, kv_caches[l], slot_mapping);
-      const at::Tensor o = paged::paged_decode(q, kv_caches[l], block_tables, seq_lens, scale_);
+      const at::Tensor o = prefill ? prefill_attention(q, k, v) : paged::paged_decode(q, kv_caches[l], block_tables, seq_lens, scale_);
       const at::Tensor attn = layer.o(o.view({B, H * D}));
       // residual + norm, then the MLP: LlamaDecoderLayer.forward, LlamaMLP.forward
       const std::vector<at::Tensor> sum_h = layer_ops::add_rms_norm(attn, x, layer.post_attention_norm, eps_);
@@ -83,6 +89,14 @@ class DecodeStack {
   }
 
  private:
+  // causal attention of one prompt over its own K/V [T, heads, D], in SDPA's [1, heads, T, D] layout
+  at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
+    const at::Tensor o = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                                          v.transpose(0, 1).unsqueeze(0), {}, 0.0, /*is_causal=*/true,
+                                                          scale_, /*enable_gqa=*/true);
+    return o.squeeze(0).transpose(0, 1).contiguous();
+  }
+
   std::vector<Layer> layers_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
@@ -94,6 +108,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t, double,
                           double>())
-      .def("forward", &DecodeStack::forward, "all decoder layers of a decode step (1-4 sequences)");
-  m.attr("MAX_ROWS") = woq::kGemvMaxRows;
+      .def("forward", &DecodeStack::forward, "all decoder layers of a decode step, or of one prompt's prefill");
 }

@@ -6,15 +6,19 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "woq_amx.h"  // the layout, kTile
+
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")  // as woq_amx.h: the same instructions in every build
+
 namespace woq {
 
-constexpr int kGemvTile = 16;  // output columns of one n-subtile
 constexpr int64_t kGemvMaxRows = 4;  // amx.GEMV_MAX_ROWS
 
 // For 1-4 rows the AMX tiles are mostly padding, and dequantizing every weight to bf16 (float32 convert,
@@ -79,9 +83,9 @@ void gemv_subtiles(const at::BFloat16* x, int64_t K, const uint8_t* codes, const
       for (int m = 0; m < M; ++m)
         for (int j = 0; j < 4; ++j) d[m][j] = _mm512_setzero_ps();
       const int64_t p0 = g * pairs_per_group;
-      const int64_t sg = (ns * groups + g) * kGemvTile;
-      _mm_prefetch(reinterpret_cast<const char*>(scales + sg + kPrefetchGroups * kGemvTile), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(mins + sg + kPrefetchGroups * kGemvTile), _MM_HINT_T0);
+      const int64_t sg = (ns * groups + g) * kTile;
+      _mm_prefetch(reinterpret_cast<const char*>(scales + sg + kPrefetchGroups * kTile), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(mins + sg + kPrefetchGroups * kTile), _MM_HINT_T0);
       for (int64_t p = p0; p < p0 + pairs_per_group; p += 4) {  // pairs_per_group is a multiple of 16
         // one 64-byte line of codes a step for 4-bit (4 pair rows x 16 bytes), two for 8-bit
         _mm_prefetch(reinterpret_cast<const char*>(c + p * code_row_bytes + kPrefetchCodeBytes), _MM_HINT_T0);
@@ -113,10 +117,10 @@ void gemv_subtiles(const at::BFloat16* x, int64_t K, const uint8_t* codes, const
       }
     }
     for (int m = 0; m < M; ++m) {
-      alignas(64) float r[kGemvTile];
-      _mm512_store_ps(r, bias ? _mm512_add_ps(y[m], _mm512_loadu_ps(bias + ns * kGemvTile)) : y[m]);
-      at::BFloat16* o = out + m * N + ns * kGemvTile;
-      for (int j = 0; j < kGemvTile; ++j) o[j] = at::BFloat16(r[j]);  // round to nearest even, as ATen
+      alignas(64) float r[kTile];
+      _mm512_store_ps(r, bias ? _mm512_add_ps(y[m], _mm512_loadu_ps(bias + ns * kTile)) : y[m]);
+      at::BFloat16* o = out + m * N + ns * kTile;
+      for (int j = 0; j < kTile; ++j) o[j] = at::BFloat16(r[j]);  // round to nearest even, as ATen
     }
   }
 }
@@ -144,7 +148,7 @@ inline at::Tensor gemv_tensor(const at::Tensor& x, const at::Tensor& codes, cons
   auto out = at::empty({M, N}, x.options());
   // a task of at least ~16 KB of codes before a second thread is woken
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(K * 16 * bits / 8, 1));
-  at::parallel_for(0, N / kGemvTile, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N / kTile, grain, [&](int64_t begin, int64_t end) {
     gemv(M, bits, xa.data_ptr<at::BFloat16>(), K, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
          mins.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr, group_size, N,
          out.data_ptr<at::BFloat16>(), begin, end);
@@ -153,3 +157,5 @@ inline at::Tensor gemv_tensor(const at::Tensor& x, const at::Tensor& codes, cons
 }
 
 }  // namespace woq
+
+#pragma GCC pop_options

@@ -1,0 +1,196 @@
+// Weight-only quantized matmul on Intel AMX: y[M, N] = x[M, K] (bf16) @ W^T, with W stored as 4- or 8-bit
+// codes and a float32 scale and min per group of the input (w = s * q + m, quantization/linear.py).
+// `gemm_tensor` multiplies on the AMX tiles; woq_gemv.h has the 1-4 row kernel on the same layout.
+// woq_amx.cpp binds both for Python (after asking the OS for the tile state); model/csrc/decode_stack.cpp
+// calls them directly.
+//
+// Why: torch's packed INT4 / INT8 kernels dequantize the weight again for every row of x, so at a decode
+// batch of 32 rows they cost 5x a bf16 GEMM, and bf16 weights make every decode step stream 2 bytes a
+// weight from memory. Here each 32 x 16 piece of W is dequantized once per call into a 1 KB bf16 tile
+// (in L1) and multiplied with every row of x by the AMX unit (TDPBF16PS, float32 accumulation), so a step
+// streams 0.5 (4-bit) or 1 (8-bit) byte a weight and the dequantization is paid once, not once a row.
+//
+// Dequantization rounds like QuantLinear.dequantize_weight(bf16): float32 q * s, then + m, then one
+// rounding to bf16 (this header turns floating-point contraction off for its code, whatever the build's
+// flags, so the two steps are never fused into one FMA), and the
+// products are summed in float32, as a bf16 GEMM does; only the order of that sum differs from oneDNN's.
+//
+// Layout (built by pack_codes below; N a multiple of 16, K of 32, the group size a multiple of 32):
+//   codes   uint8 [N/16, K/2, 16] (4-bit) or [N/16, K/2, 32] (8-bit): for output columns n0..n0+15 and the
+//           input pair (2p, 2p+1), the 32 codes in TDPBF16PS's B-tile order e = 2n + (k % 2); 4-bit codes
+//           hold e in the low nibble of byte e and e + 16 in the high nibble of byte e (e < 16).
+//   scales, mins  float32 [N/16, groups, 16]
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+namespace woq {
+
+
+constexpr int kTile = 16;        // rows of every tile; A / B tiles are 64 bytes (32 bf16) wide
+constexpr int kKStep = 32;       // input elements one TDPBF16PS consumes
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0..3: C (m-subtile x n-subtile), tmm4/5: A (two m-subtiles), tmm6/7: B (two n-subtiles); all 16 x 64 B
+inline void load_tile_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = kTile;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// [s0..s15] -> ([s0,s0,s1,s1,..,s7,s7], [s8,s8,..,s15,s15]): one value per e = 2n + k%2
+inline void pair_up(const float* v, __m512& lo, __m512& hi) {
+  const __m512 x = _mm512_loadu_ps(v);
+  const __m512i idx_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i idx_hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+  lo = _mm512_permutexvar_ps(idx_lo, x);
+  hi = _mm512_permutexvar_ps(idx_hi, x);
+}
+
+// One B tile: 16 pair rows x 16 columns of bf16 pairs, from the codes of one K-step of one n-subtile.
+template <int BITS>
+inline void dequantize_tile(const uint8_t* codes, const float* scale, const float* min, __m512bh* tile) {
+  __m512 s_lo, s_hi, m_lo, m_hi;
+  pair_up(scale, s_lo, s_hi);
+  pair_up(min, m_lo, m_hi);
+  for (int p = 0; p < kTile; ++p) {
+    __m128i lo8, hi8;
+    if constexpr (BITS == 4) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p * 16));
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      lo8 = _mm_and_si128(v, mask);
+      hi8 = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+    } else {
+      lo8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p * 32));
+      hi8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p * 32 + 16));
+    }
+    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo8));
+    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi8));
+    const __m512 w0 = _mm512_add_ps(_mm512_mul_ps(q0, s_lo), m_lo);
+    const __m512 w1 = _mm512_add_ps(_mm512_mul_ps(q1, s_hi), m_hi);
+    tile[p] = _mm512_cvtne2ps_pbh(w1, w0);  // e 0..15 from w0, 16..31 from w1, round to nearest even
+  }
+}
+
+template <int BITS>
+void woq_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+              const at::Tensor& bias, int64_t group_size, at::Tensor& out) {
+  const int64_t M = out.size(0), N = out.size(1), K = x.size(1);
+  const int64_t Mp = x.size(0);  // padded to a multiple of 16 rows
+  const int64_t ksteps = K / kKStep, groups = K / group_size, nsub_total = N / kTile;
+  const int64_t code_row_bytes = BITS == 4 ? 16 : 32;  // per pair row of one n-subtile
+  const auto* xp = reinterpret_cast<const uint8_t*>(x.data_ptr<at::BFloat16>());
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* mp = mins.data_ptr<float>();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t nblocks = (nsub_total + 1) / 2;  // blocks of 32 output columns (the last may have 16)
+  // a task of at least ~64 KB of weight codes before a second thread is woken
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(K * 32 * BITS / 8, 1));
+  at::parallel_for(0, nblocks, grain, [&](int64_t nb_begin, int64_t nb_end) {
+    load_tile_config();
+    // K x 32 dequantized weights; new[] of a 64-byte vector type is 64-byte aligned and left uninitialized
+    std::unique_ptr<__m512bh[]> strip(new __m512bh[size_t(ksteps) * 2 * kTile]);
+    __m512bh* tiles = strip.get();
+    alignas(64) float cbuf[4][kTile * kTile];
+    for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
+      const int64_t ns0 = nb * 2;
+      const int nsubs = ns0 + 1 < nsub_total ? 2 : 1;
+      for (int s = 0; s < nsubs; ++s) {
+        const int64_t ns = ns0 + s;
+        const uint8_t* c = cp + ns * (K / 2) * code_row_bytes;
+        for (int64_t ks = 0; ks < ksteps; ++ks) {
+          const int64_t g = ks * kKStep / group_size;
+          dequantize_tile<BITS>(c + ks * kTile * code_row_bytes, sp + (ns * groups + g) * kTile,
+                                mp + (ns * groups + g) * kTile, tiles + (ks * 2 + s) * kTile);
+        }
+      }
+      for (int64_t m0 = 0; m0 < Mp; m0 += 2 * kTile) {
+        const int msubs = m0 + kTile < Mp ? 2 : 1;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const uint8_t* a = xp + m0 * K * 2;
+        for (int64_t ks = 0; ks < ksteps; ++ks) {
+          const __m512bh* b = tiles + ks * 2 * kTile;
+          _tile_loadd(6, b, 64);
+          _tile_loadd(4, a + ks * 64, K * 2);
+          _tile_dpbf16ps(0, 4, 6);
+          if (nsubs == 2) {
+            _tile_loadd(7, b + kTile, 64);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+          if (msubs == 2) {
+            _tile_loadd(5, a + kTile * K * 2 + ks * 64, K * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            if (nsubs == 2) _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, cbuf[0], 64);
+        _tile_stored(1, cbuf[1], 64);
+        _tile_stored(2, cbuf[2], 64);
+        _tile_stored(3, cbuf[3], 64);
+        for (int ms = 0; ms < msubs; ++ms) {
+          for (int r = 0; r < kTile; ++r) {
+            const int64_t row = m0 + ms * kTile + r;
+            if (row >= M) break;
+            for (int s = 0; s < nsubs; ++s) {
+              const float* cr = cbuf[ms * 2 + s] + r * kTile;
+              const int64_t n0 = (ns0 + s) * kTile;
+              at::BFloat16* o = op + row * N + n0;  // rounded to nearest even, as ATen rounds
+              for (int j = 0; j < kTile; ++j) o[j] = at::BFloat16(bp ? cr[j] + bp[n0 + j] : cr[j]);
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+// x [M, K] bf16 times the layer in the AMX layout; bias float32 [N] or undefined. Returns bf16 [M, N].
+// The buffers' shapes are the caller's to check (woq_amx.cpp's check_args).
+inline at::Tensor gemm_tensor(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                              const at::Tensor& mins, const at::Tensor& bias, int64_t bits, int64_t group_size,
+                              int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1);
+  auto out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const int64_t Mp = (M + kTile - 1) / kTile * kTile;
+  at::Tensor xa = x.contiguous();
+  if (Mp != M) {  // the tiles read 16 rows: pad with zeros (the padded rows are computed and dropped)
+    xa = at::zeros({Mp, K}, x.options());
+    xa.narrow(0, 0, M).copy_(x);
+  }
+  if (bits == 4)
+    woq_gemm<4>(xa, codes, scales, mins, bias, group_size, out);
+  else
+    woq_gemm<8>(xa, codes, scales, mins, bias, group_size, out);
+  return out;
+}
+
+}  // namespace woq
+
+#pragma GCC pop_options
