@@ -41,8 +41,8 @@ run bench throughput --dataset "$W32" --repeat "$W32_REPEAT" --compare hf --comp
 run bench throughput --dataset "$SINGLE50" --repeat "$SINGLE_REPEAT" --compare hf --compare llama.cpp \
     --output-json "$OUT/single50.json"
 
-# The same two workloads on the default model's own Q4_1 weights, served natively (torch's INT4 kernel for
-# one row, the AMX kernel above where the CPU has it), HF bf16 beside them again in the same run.
+# The same two workloads on the default model's own Q4_1 weights, served natively (the C++ 1-4 row kernel
+# and the AMX kernel above where the CPU has it), HF bf16 beside them again in the same run.
 run bench throughput --dataset "$W32" --repeat "$W32_REPEAT" --quantization gguf --compare hf \
     --output-json "$OUT/w32_gguf.json"
 run bench throughput --dataset "$SINGLE50" --repeat "$SINGLE_REPEAT" --quantization gguf --compare hf \

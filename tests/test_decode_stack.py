@@ -14,11 +14,15 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.model import decode_stack
 from pagedllm.model.build import build_model
 from pagedllm.model.fuse import fuse_for_inference
+from pagedllm.model.layers.packed_linear import prepacking_available
 from pagedllm.model.loader import default_model_path
 from pagedllm.quantization import amx
 
 BF16 = torch.bfloat16
 needs_amx = pytest.mark.skipif(amx.load() is None, reason="no AMX on this CPU (or no compiler)")
+needs_prepacking = pytest.mark.skipif(
+    not prepacking_available() or decode_stack.load() is None, reason="no oneDNN prepacking (or no compiler)"
+)
 
 
 def fused(path, quantization):
@@ -33,8 +37,18 @@ def gguf_model():
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen2_int4(tmp_path_factory):  # q/k/v bias, 3 heads over 1 KV head, head_dim 32
-    return fused(save_tiny_qwen2(tmp_path_factory.mktemp("qwen2")), "int4")
+def bf16_model():
+    return fused(default_model_path(), None)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_path(tmp_path_factory):  # q/k/v bias, 3 heads over 1 KV head, head_dim 32
+    return save_tiny_qwen2(tmp_path_factory.mktemp("qwen2"))
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_int4(tiny_qwen2_path):
+    return fused(tiny_qwen2_path, "int4")
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +134,17 @@ def test_stack_equals_the_layer_loop_on_the_default_gguf_model(gguf_model, lengt
     assert_stack_equals_loop(gguf_model, lengths, steps=3)
 
 
+@needs_prepacking
+@pytest.mark.parametrize("lengths", [[37], [16, 1, 33], [3, 9, 18, 30, 41, 50, 7]])
+def test_stack_equals_the_layer_loop_on_the_default_bf16_model(bf16_model, lengths):
+    assert_stack_equals_loop(bf16_model, lengths, steps=2)
+
+
+@needs_prepacking
+def test_stack_equals_the_layer_loop_on_bf16_qwen2_with_bias(tiny_qwen2_path):
+    assert_stack_equals_loop(fused(tiny_qwen2_path, None), [9, 20, 3, 5, 11], steps=2)
+
+
 @needs_amx
 @pytest.mark.parametrize("which", ["qwen2 int4", "llama int8"])
 @pytest.mark.parametrize("lengths", [[9, 20, 3], [4, 8, 12, 16, 20, 24]])
@@ -140,11 +165,14 @@ def test_engine_greedy_outputs_are_the_same_without_the_stack():
     assert with_stack == without
 
 
-def test_stack_is_built_only_for_models_it_can_run(gguf_model, tiny_qwen2_int4):
-    bf16 = fused(default_model_path(), None)  # prepacked bf16 linears: the layer loop
-    assert bf16.decode_stack is None
-    if amx.load() is None:
-        assert gguf_model.decode_stack is None and tiny_qwen2_int4.decode_stack is None
+def test_stack_is_built_only_for_models_it_can_run(gguf_model, bf16_model, tiny_qwen2_path):
+    fp32, _ = build_model(tiny_qwen2_path, torch.float32, show_progress=False)
+    fuse_for_inference(fp32)
+    assert fp32.decode_stack is None  # fp32 activations: the layer loop
+    if amx.load() is None:  # quantized layers without the AMX layout: the layer loop
+        assert gguf_model.decode_stack is None
+    if not prepacking_available():
+        assert bf16_model.decode_stack is None
 
 
 def test_stack_steps_aside_for_mixed_and_chunked_steps_and_quantized_caches():

@@ -1,9 +1,10 @@
 """All decoder layers of a step in one C++ call (csrc/decode_stack.cpp).
 
 A single-stream decode step of a model whose linears are quantized in the AMX layout
-(quantization/linear.py) costs more in the Python and dispatch around its ~12 calls a layer than in
-their arithmetic. The C++ stack makes the same calls on the same tensors (the functions the Python path
-binds, the same ATen attention op), so its hidden states equal the Python path's bit for bit. It runs
+(quantization/linear.py) or prepacked bf16 (model/layers/packed_linear.py) costs more in the Python and
+dispatch around its ~12 calls a layer than in their arithmetic. The C++ stack makes the same calls on the
+same tensors (the functions the Python path binds, the same ATen and oneDNN ops), so its hidden states
+equal the Python path's bit for bit. It runs
 the steps that are all decodes (any number) and the prefill of one prompt with nothing cached before it
 (a request's first token); built by fuse.py when every decoder linear qualifies. Everything else (mixed
 or chunked steps, several prefills, a quantized KV cache) takes the model's layer loop.
@@ -18,7 +19,7 @@ import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.cpp_extension import load_cpp_extension
-from pagedllm.quantization import amx
+from pagedllm.model.layers.packed_linear import PackedLinear
 from pagedllm.quantization.linear import QuantLinear
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_stack.cpp"
@@ -30,17 +31,22 @@ def load():
 
 
 def _linear_parts(layer) -> tuple[list[torch.Tensor], list[int]] | None:
+    """What the C++ Linear holds (csrc/decode_stack.cpp): bits 0 marks a prepacked bf16 weight."""
+    empty = torch.empty(0)
+    if isinstance(layer, PackedLinear):
+        bias = layer.bias if layer.bias is not None else empty
+        return [layer.packed_weight, empty, empty, bias], [0, 0, layer.out_features]
     if not isinstance(layer, QuantLinear) or not layer._amx:
         return None
-    bias = layer.bias.to(torch.bfloat16) if layer.bias is not None else torch.empty(0)  # as forward() rounds it
+    bias = layer.bias.to(torch.bfloat16) if layer.bias is not None else empty  # as forward() rounds it
     return [*layer._amx, bias], [layer.bits, layer.group_size or layer.in_features, layer.out_features]
 
 
 def build_decode_stack(model):
-    """The C++ stack over `model`'s decoder layers, or None where it does not apply: a linear that is not
-    quantized in the AMX layout (bf16 models, CPUs without AMX), activations other than bf16, or no
-    compiler."""
-    if model.model.embed_tokens.weight.dtype != torch.bfloat16 or amx.load() is None:
+    """The C++ stack over `model`'s decoder layers, or None where it does not apply: a linear neither in
+    the AMX layout nor prepacked bf16 (fp32 models, CPUs without oneDNN's prepacking; quantized layers on
+    CPUs without AMX), activations other than bf16, or no compiler."""
+    if model.model.embed_tokens.weight.dtype != torch.bfloat16:
         return None
     tensors: list[torch.Tensor] = []
     shapes: list[int] = []

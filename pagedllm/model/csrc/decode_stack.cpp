@@ -1,12 +1,14 @@
-// Every decoder layer of a step in one C++ call, for models whose linears are all quantized in the AMX
-// layout (quantization/linear.py), on the steps that are all decodes, or one prompt's whole prefill.
+// Every decoder layer of a step in one C++ call, for models whose linears are quantized in the AMX layout
+// (quantization/linear.py) or bf16 prepacked for oneDNN (model/layers/packed_linear.py), on the steps
+// that are all decodes, or one prompt's whole prefill.
 //
 // Why: a single-stream step of the default model served from its GGUF blocks spent ~13 ms in its 121
 // matmuls and ~6 ms in everything else, most of it the Python and dispatch around ~12 small calls a
 // layer. Here each layer is the same calls made from C++: the same functions the Python path binds
-// (layer_ops.h, paged_decode.h, woq_gemv.h, woq_amx.h) and the same ATen attention op, on the same
+// (layer_ops.h, paged_decode.h, woq_gemv.h, woq_amx.h) and the same ATen / oneDNN ops, on the same
 // tensors in the same order, so the result is the Python path's bit for bit, without its per-call cost.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "../../attention/csrc/paged_decode.h"
@@ -18,13 +20,28 @@
 
 namespace {
 
-// One quantized linear in the AMX layout: codes, scales, mins (woq_amx.cpp) and a float32 bias or none.
+// torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], ""): what model/layers/packed_linear.py
+// calls for a bf16 weight oneDNN reordered once. Called boxed: its schema's C++ types vary across torch
+// releases, its values do not.
+at::Tensor packed_bf16_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, bias.defined() ? c10::IValue(bias) : c10::IValue(), std::string("none"),
+                          c10::IValue(c10::List<std::optional<at::Scalar>>()), std::string("")};
+  op.callBoxed(&stack);
+  return stack.back().toTensor();
+}
+
+// One linear of a layer: quantized in the AMX layout (codes, scales, mins; a float32 bias or none), or,
+// with bits == 0, a bf16 weight prepacked for oneDNN (packed; a bf16 bias or none).
 struct Linear {
-  at::Tensor codes, scales, mins, bias;
+  at::Tensor codes, scales, mins, bias, packed;
   int64_t bits, group_size, out_features;
 
-  // the kernel QuantLinear.path() picks: dot products for a few rows, AMX tiles above
+  // the kernel the Python layer picks: QuantLinear.path() (dot products for a few rows, AMX tiles
+  // above), or PackedLinear's oneDNN call
   at::Tensor operator()(const at::Tensor& x) const {
+    if (bits == 0) return packed_bf16_linear(x, packed, bias);
     if (x.size(0) <= woq::kGemvMaxRows)
       return woq::gemv_tensor(x, codes, scales, mins, bias, bits, group_size, out_features);
     return woq::gemm_tensor(x, codes, scales, mins, bias, bits, group_size, out_features);
@@ -39,8 +56,9 @@ struct Layer {
 class DecodeStack {
  public:
   // Per layer, in this order: input norm weight, post-attention norm weight, then for qkv, o, gate_up,
-  // down: codes, scales, mins, bias (an empty tensor for none); `shapes` holds (bits, group_size,
-  // out_features) for each of the four linears of each layer.
+  // down: codes, scales, mins, bias (a prepacked bf16 linear: packed weight, two empty tensors, bias; an
+  // empty tensor for no bias); `shapes` holds (bits, group_size, out_features) for each of the four
+  // linears of each layer, bits 0 for a prepacked bf16 one.
   DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> shapes, int64_t num_heads,
               int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {
@@ -52,8 +70,10 @@ class DecodeStack {
       const int64_t* s = shapes.data() + l * kShapes;
       auto linear = [&](int i) {
         const at::Tensor* p = t + 2 + 4 * i;
+        const int64_t bits = s[3 * i];
+        if (bits == 0) return Linear{{}, {}, {}, p[3].numel() ? p[3] : at::Tensor(), p[0], 0, 0, s[3 * i + 2]};
         const at::Tensor bias = p[3].numel() ? p[3].to(at::kFloat).contiguous() : at::Tensor();
-        return Linear{p[0], p[1], p[2], bias, s[3 * i], s[3 * i + 1], s[3 * i + 2]};
+        return Linear{p[0], p[1], p[2], bias, {}, bits, s[3 * i + 1], s[3 * i + 2]};
       };
       layers_.push_back(Layer{t[0], t[1], linear(0), linear(1), linear(2), linear(3)});
     }
