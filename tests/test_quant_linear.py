@@ -233,6 +233,26 @@ def test_gguf_layer_output_equals_dequantized_layer(type_name, rows):
     assert_bf16_close(layer(x), x, torch.from_numpy(ref))
 
 
+@needs_amx
+@pytest.mark.parametrize("type_name", GGUF_TYPES)
+def test_gguf_scales_and_mins_are_held_in_float16_with_the_same_results(type_name):
+    raw, ref = gguf_blocks(type_name)
+    layer = QuantLinear.from_codes(*decode_blocks(type_name, raw, ref.shape)[:3], 4 if "4" in type_name else 8, 32)
+    layer.pack()
+    codes, scales, mins = layer._amx
+    assert scales.dtype == mins.dtype == torch.float16  # GGUF's block scales are float16 values
+    assert torch.equal(layer.dequantize_weight(torch.float32), torch.from_numpy(ref))
+    wide = (codes, scales.float(), mins.float())  # the same values in float32
+    for rows in (1, 3, 20):
+        x = activations(rows, 128)
+        kernel = amx.load().gemv if rows <= amx.GEMV_MAX_ROWS else amx.load().gemm
+        args = (layer.bits, 32, 64)
+        assert torch.equal(kernel(x, *layer._amx, None, *args), kernel(x, *wide, None, *args))
+    rtn = QuantLinear.from_quantized(rtn_quantize_weight(weight(64, 128), 4, 32))
+    rtn.pack()
+    assert rtn._amx[1].dtype == torch.float32  # computed scales: float16 would round them
+
+
 def test_gguf_q_k_rows_are_unpermuted():
     cfg = ModelConfig(
         vocab_size=10, hidden_size=128, intermediate_size=256, num_layers=1, num_heads=4, num_kv_heads=2,

@@ -38,8 +38,9 @@ def supports(bits: int, in_features: int, out_features: int, group_size: int | N
 def pack_codes(
     codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """codes uint8 [N, K] and scales / mins float32 [N, groups] -> the kernel's layout (see the .cpp):
-    each 16 output columns' codes in the AMX B-tile order e = 2n + k % 2, scales / mins [N/16, groups, 16]."""
+    """codes uint8 [N, K] and scales / mins float32 [N, groups] -> the kernel's layout (csrc/woq_amx.h):
+    each 16 output columns' codes in the AMX B-tile order e = 2n + k % 2, scales / mins [N/16, groups, 16]
+    in float16 when that holds them exactly (a decode step streams 0.125 B a weight less), else float32."""
     n, k = codes.shape
     e_order = codes.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32)
     if bits == 4:
@@ -51,7 +52,15 @@ def pack_codes(
     def by_subtile(t: torch.Tensor) -> torch.Tensor:
         return t.float().view(n // 16, 16, groups).transpose(1, 2).contiguous()
 
-    return packed.to(torch.uint8).contiguous(), by_subtile(scales), by_subtile(mins)
+    s, m = by_subtile(scales), by_subtile(mins)
+    if exact_in_float16(s) and exact_in_float16(m):  # GGUF's blocks: half the bytes, the same values
+        s, m = s.half(), m.half()
+    return packed.to(torch.uint8).contiguous(), s, m
+
+
+def exact_in_float16(t: torch.Tensor) -> bool:
+    """Whether float16 holds every value of t exactly (GGUF stores its block scales and mins so)."""
+    return bool(torch.equal(t.half().float(), t))
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -63,4 +72,4 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_groups(t: torch.Tensor) -> torch.Tensor:
     """pack_codes' scales or mins back to float32 [N, groups]."""
-    return t.transpose(1, 2).reshape(-1, t.shape[1]).contiguous()
+    return t.float().transpose(1, 2).reshape(-1, t.shape[1]).contiguous()

@@ -18,9 +18,10 @@ Kernel layouts (plain attributes, built by `pack()` for bf16 activations; never 
 The INT4 kernel takes its scales in the activation dtype, so s and zero are rounded to bf16 there: it
 reproduces s*q + m to bf16 precision (the same precision as a bf16 weight), not bit for bit.
 
-  AMX (amx.py, csrc/woq_amx.cpp), 4- and 8-bit codes with any group size that is a multiple of 32 (so
-      GGUF Q8_0 too): its own copy of the codes in the AMX tile order, float32 scales and mins. The same
-      layout feeds two kernels: AMX tiles for batches, AVX512-BF16 dot products for 1-4 rows ("gemv").
+  AMX (amx.py, csrc/woq_amx.h), 4- and 8-bit codes with any group size that is a multiple of 32 (so
+      GGUF Q8_0 too): its own copy of the codes in the AMX tile order, scales and mins in float32 (float16
+      where that holds them exactly: GGUF's blocks). The same layout feeds two kernels: AMX tiles for
+      batches, AVX512-BF16 dot products for 1-4 rows ("gemv", csrc/woq_gemv.h).
 
 When each path runs (`path()`): torch's packed kernels dequantize the weight again for every row (their
 time grows linearly with rows), while a bf16 GEMM or the AMX kernel dequantizes or reads the weight once

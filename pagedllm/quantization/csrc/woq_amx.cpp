@@ -42,6 +42,9 @@ static void check_args(const at::Tensor& x, const at::Tensor& codes, const at::T
   TORCH_CHECK(codes.numel() == N * K * bits / 8 && scales.numel() == N * (K / group_size) &&
                   mins.numel() == scales.numel(),
               "woq_amx: codes / scales / mins do not match the shape");
+  TORCH_CHECK(scales.scalar_type() == mins.scalar_type() &&
+                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
+              "woq_amx: scales and mins must both be float32 or both float16");
 }
 
 // x [M, K] bf16; bias float32 [N] or None. Returns bf16 [M, N].

@@ -19,7 +19,7 @@
 //   codes   uint8 [N/16, K/2, 16] (4-bit) or [N/16, K/2, 32] (8-bit): for output columns n0..n0+15 and the
 //           input pair (2p, 2p+1), the 32 codes in TDPBF16PS's B-tile order e = 2n + (k % 2); 4-bit codes
 //           hold e in the low nibble of byte e and e + 16 in the high nibble of byte e (e < 16).
-//   scales, mins  float32 [N/16, groups, 16]
+//   scales, mins  float32 [N/16, groups, 16], or float16 where that holds them exactly (amx.pack_codes)
 #pragma once
 
 #include <ATen/ATen.h>
@@ -58,9 +58,16 @@ inline void load_tile_config() {
   _tile_loadconfig(&cfg);
 }
 
+// 16 scales or mins as float32: stored so, or as float16 where that held them exactly (GGUF's blocks)
+inline __m512 load16(const float* v) { return _mm512_loadu_ps(v); }
+inline __m512 load16(const at::Half* v) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)));
+}
+
 // [s0..s15] -> ([s0,s0,s1,s1,..,s7,s7], [s8,s8,..,s15,s15]): one value per e = 2n + k%2
-inline void pair_up(const float* v, __m512& lo, __m512& hi) {
-  const __m512 x = _mm512_loadu_ps(v);
+template <typename S>
+inline void pair_up(const S* v, __m512& lo, __m512& hi) {
+  const __m512 x = load16(v);
   const __m512i idx_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i idx_hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
   lo = _mm512_permutexvar_ps(idx_lo, x);
@@ -68,8 +75,8 @@ inline void pair_up(const float* v, __m512& lo, __m512& hi) {
 }
 
 // One B tile: 16 pair rows x 16 columns of bf16 pairs, from the codes of one K-step of one n-subtile.
-template <int BITS>
-inline void dequantize_tile(const uint8_t* codes, const float* scale, const float* min, __m512bh* tile) {
+template <int BITS, typename S>
+inline void dequantize_tile(const uint8_t* codes, const S* scale, const S* min, __m512bh* tile) {
   __m512 s_lo, s_hi, m_lo, m_hi;
   pair_up(scale, s_lo, s_hi);
   pair_up(min, m_lo, m_hi);
@@ -92,7 +99,7 @@ inline void dequantize_tile(const uint8_t* codes, const float* scale, const floa
   }
 }
 
-template <int BITS>
+template <int BITS, typename S>
 void woq_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
               const at::Tensor& bias, int64_t group_size, at::Tensor& out) {
   const int64_t M = out.size(0), N = out.size(1), K = x.size(1);
@@ -101,8 +108,8 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
   const int64_t code_row_bytes = BITS == 4 ? 16 : 32;  // per pair row of one n-subtile
   const auto* xp = reinterpret_cast<const uint8_t*>(x.data_ptr<at::BFloat16>());
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* mp = mins.data_ptr<float>();
+  const S* sp = scales.data_ptr<S>();
+  const S* mp = mins.data_ptr<S>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t nblocks = (nsub_total + 1) / 2;  // blocks of 32 output columns (the last may have 16)
@@ -122,7 +129,7 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
         const uint8_t* c = cp + ns * (K / 2) * code_row_bytes;
         for (int64_t ks = 0; ks < ksteps; ++ks) {
           const int64_t g = ks * kKStep / group_size;
-          dequantize_tile<BITS>(c + ks * kTile * code_row_bytes, sp + (ns * groups + g) * kTile,
+          dequantize_tile<BITS, S>(c + ks * kTile * code_row_bytes, sp + (ns * groups + g) * kTile,
                                 mp + (ns * groups + g) * kTile, tiles + (ks * 2 + s) * kTile);
         }
       }
@@ -184,10 +191,15 @@ inline at::Tensor gemm_tensor(const at::Tensor& x, const at::Tensor& codes, cons
     xa = at::zeros({Mp, K}, x.options());
     xa.narrow(0, 0, M).copy_(x);
   }
-  if (bits == 4)
-    woq_gemm<4>(xa, codes, scales, mins, bias, group_size, out);
+  const bool half = scales.scalar_type() == at::kHalf;
+  if (bits == 4 && half)
+    woq_gemm<4, at::Half>(xa, codes, scales, mins, bias, group_size, out);
+  else if (bits == 4)
+    woq_gemm<4, float>(xa, codes, scales, mins, bias, group_size, out);
+  else if (half)
+    woq_gemm<8, at::Half>(xa, codes, scales, mins, bias, group_size, out);
   else
-    woq_gemm<8>(xa, codes, scales, mins, bias, group_size, out);
+    woq_gemm<8, float>(xa, codes, scales, mins, bias, group_size, out);
   return out;
 }
 

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #pragma GCC push_options
@@ -56,8 +57,8 @@ inline __m512i decode8_row(const uint8_t* codes) {
 // (2 threads; 4 KB / 16 groups the same, 8 KB / 32 slower).
 constexpr int64_t kPrefetchCodeBytes = 2048, kPrefetchGroups = 8;
 
-template <int BITS, int M>
-void gemv_subtiles(const at::BFloat16* x, int64_t K, const uint8_t* codes, const float* scales, const float* mins,
+template <int BITS, int M, typename S>
+void gemv_subtiles(const at::BFloat16* x, int64_t K, const uint8_t* codes, const S* scales, const S* mins,
                    const float* bias, int64_t group_size, int64_t N, at::BFloat16* out, int64_t ns_begin,
                    int64_t ns_end) {
   const int64_t groups = K / group_size, pairs_per_group = group_size / 2;
@@ -105,8 +106,8 @@ void gemv_subtiles(const at::BFloat16* x, int64_t K, const uint8_t* codes, const
                                        reinterpret_cast<__m512bh>(w[j]));
         }
       }
-      const __m512 s = _mm512_loadu_ps(scales + sg);
-      const __m512 mn = _mm512_loadu_ps(mins + sg);
+      const __m512 s = load16(scales + sg);
+      const __m512 mn = load16(mins + sg);
       for (int m = 0; m < M; ++m) {
         const float xs = xsum[m * groups + g];
         const __m512 dm = _mm512_add_ps(_mm512_add_ps(d[m][0], d[m][1]), _mm512_add_ps(d[m][2], d[m][3]));
@@ -126,12 +127,13 @@ void gemv_subtiles(const at::BFloat16* x, int64_t K, const uint8_t* codes, const
 }
 
 // out[M, N] (row stride N) = x[M, K] (row stride K) @ W^T for output subtiles [ns_begin, ns_end), M 1..4.
-inline void gemv(int64_t M, int64_t bits, const at::BFloat16* x, int64_t K, const uint8_t* codes,
-                 const float* scales, const float* mins, const float* bias, int64_t group_size, int64_t N,
-                 at::BFloat16* out, int64_t ns_begin, int64_t ns_end) {
+template <typename S>
+void gemv(int64_t M, int64_t bits, const at::BFloat16* x, int64_t K, const uint8_t* codes, const S* scales,
+          const S* mins, const float* bias, int64_t group_size, int64_t N, at::BFloat16* out, int64_t ns_begin,
+          int64_t ns_end) {
 #define WOQ_GEMV_CASE(B, R) \
   if (bits == B && M == R) \
-    return gemv_subtiles<B, R>(x, K, codes, scales, mins, bias, group_size, N, out, ns_begin, ns_end);
+    return gemv_subtiles<B, R, S>(x, K, codes, scales, mins, bias, group_size, N, out, ns_begin, ns_end);
   WOQ_GEMV_CASE(4, 1) WOQ_GEMV_CASE(4, 2) WOQ_GEMV_CASE(4, 3) WOQ_GEMV_CASE(4, 4)
   WOQ_GEMV_CASE(8, 1) WOQ_GEMV_CASE(8, 2) WOQ_GEMV_CASE(8, 3) WOQ_GEMV_CASE(8, 4)
 #undef WOQ_GEMV_CASE
@@ -148,11 +150,18 @@ inline at::Tensor gemv_tensor(const at::Tensor& x, const at::Tensor& codes, cons
   auto out = at::empty({M, N}, x.options());
   // a task of at least ~16 KB of codes before a second thread is woken
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(K * 16 * bits / 8, 1));
-  at::parallel_for(0, N / kTile, grain, [&](int64_t begin, int64_t end) {
-    gemv(M, bits, xa.data_ptr<at::BFloat16>(), K, codes.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-         mins.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr, group_size, N,
-         out.data_ptr<at::BFloat16>(), begin, end);
-  });
+  auto run = [&](auto* scale_type) {
+    using S = std::remove_pointer_t<decltype(scale_type)>;
+    at::parallel_for(0, N / kTile, grain, [&](int64_t begin, int64_t end) {
+      gemv<S>(M, bits, xa.data_ptr<at::BFloat16>(), K, codes.data_ptr<uint8_t>(), scales.data_ptr<S>(),
+              mins.data_ptr<S>(), bias.defined() ? bias.data_ptr<float>() : nullptr, group_size, N,
+              out.data_ptr<at::BFloat16>(), begin, end);
+    });
+  };
+  if (scales.scalar_type() == at::kHalf)
+    run(static_cast<at::Half*>(nullptr));
+  else
+    run(static_cast<float*>(nullptr));
   return out;
 }
 
