@@ -64,6 +64,12 @@ inline __m512 load16(const at::Half* v) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)));
 }
 
+// 16 float32 results rounded to bf16, to nearest even (as ATen rounds; denormals, which VCVTNEPS2BF16
+// flushes, aside)
+inline void store_bf16(at::BFloat16* out, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+
 // [s0..s15] -> ([s0,s0,s1,s1,..,s7,s7], [s8,s8,..,s15,s15]): one value per e = 2n + k%2
 template <typename S>
 inline void pair_up(const S* v, __m512& lo, __m512& hi) {
@@ -99,14 +105,24 @@ inline void dequantize_tile(const uint8_t* codes, const S* scale, const S* min, 
   }
 }
 
+// How far ahead the dequantization asks for codes (and scales / mins, in groups of 32): at a decode or
+// prefill step the weights come from L3 / DRAM. All 121 calls of a GGUF-native step, alternated in one
+// session: 50 rows 34.4 / 31.2 ms without, 26.3 / 24.4 ms at 1 KB ahead; 32 rows 24.7 / 21.9 against
+// 19.0 / 17.6 ms (512 B about the same, 2-4 KB no better).
+constexpr int64_t kAmxPrefetchBytes = 1024, kAmxPrefetchGroups = 4;
+
+// x [M, K] contiguous; tail: x's last M % 16 rows zero-padded to 16 (a tile reads 16 rows), undefined
+// when M is a multiple of 16.
 template <int BITS, typename S>
-void woq_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
-              const at::Tensor& bias, int64_t group_size, at::Tensor& out) {
+void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& codes, const at::Tensor& scales,
+              const at::Tensor& mins, const at::Tensor& bias, int64_t group_size, at::Tensor& out) {
   const int64_t M = out.size(0), N = out.size(1), K = x.size(1);
-  const int64_t Mp = x.size(0);  // padded to a multiple of 16 rows
+  const int64_t Mp = (M + kTile - 1) / kTile * kTile;
   const int64_t ksteps = K / kKStep, groups = K / group_size, nsub_total = N / kTile;
   const int64_t code_row_bytes = BITS == 4 ? 16 : 32;  // per pair row of one n-subtile
   const auto* xp = reinterpret_cast<const uint8_t*>(x.data_ptr<at::BFloat16>());
+  const auto* tp = tail.defined() ? reinterpret_cast<const uint8_t*>(tail.data_ptr<at::BFloat16>()) : nullptr;
+  auto rows_at = [&](int64_t r0) { return r0 + kTile <= M ? xp + r0 * K * 2 : tp; };  // 16 rows from r0
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const S* sp = scales.data_ptr<S>();
   const S* mp = mins.data_ptr<S>();
@@ -129,6 +145,12 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
         const uint8_t* c = cp + ns * (K / 2) * code_row_bytes;
         for (int64_t ks = 0; ks < ksteps; ++ks) {
           const int64_t g = ks * kKStep / group_size;
+          // codes, scales and mins come from L3 / DRAM: ask for them ahead (as the gemv kernel does)
+          const uint8_t* next = c + ks * kTile * code_row_bytes + kAmxPrefetchBytes;
+          for (int64_t line = 0; line < kTile * code_row_bytes; line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(sp + (ns * groups + g + kAmxPrefetchGroups) * kTile), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(mp + (ns * groups + g + kAmxPrefetchGroups) * kTile), _MM_HINT_T0);
           dequantize_tile<BITS, S>(c + ks * kTile * code_row_bytes, sp + (ns * groups + g) * kTile,
                                 mp + (ns * groups + g) * kTile, tiles + (ks * 2 + s) * kTile);
         }
@@ -139,18 +161,19 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        const uint8_t* a = xp + m0 * K * 2;
+        const uint8_t* a0 = rows_at(m0);
+        const uint8_t* a1 = msubs == 2 ? rows_at(m0 + kTile) : nullptr;
         for (int64_t ks = 0; ks < ksteps; ++ks) {
           const __m512bh* b = tiles + ks * 2 * kTile;
           _tile_loadd(6, b, 64);
-          _tile_loadd(4, a + ks * 64, K * 2);
+          _tile_loadd(4, a0 + ks * 64, K * 2);
           _tile_dpbf16ps(0, 4, 6);
           if (nsubs == 2) {
             _tile_loadd(7, b + kTile, 64);
             _tile_dpbf16ps(1, 4, 7);
           }
           if (msubs == 2) {
-            _tile_loadd(5, a + kTile * K * 2 + ks * 64, K * 2);
+            _tile_loadd(5, a1 + ks * 64, K * 2);
             _tile_dpbf16ps(2, 5, 6);
             if (nsubs == 2) _tile_dpbf16ps(3, 5, 7);
           }
@@ -164,10 +187,10 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sc
             const int64_t row = m0 + ms * kTile + r;
             if (row >= M) break;
             for (int s = 0; s < nsubs; ++s) {
-              const float* cr = cbuf[ms * 2 + s] + r * kTile;
               const int64_t n0 = (ns0 + s) * kTile;
-              at::BFloat16* o = op + row * N + n0;  // rounded to nearest even, as ATen rounds
-              for (int j = 0; j < kTile; ++j) o[j] = at::BFloat16(bp ? cr[j] + bp[n0 + j] : cr[j]);
+              __m512 v = _mm512_load_ps(cbuf[ms * 2 + s] + r * kTile);
+              if (bp) v = _mm512_add_ps(v, _mm512_loadu_ps(bp + n0));
+              store_bf16(op + row * N + n0, v);
             }
           }
         }
@@ -185,21 +208,21 @@ inline at::Tensor gemm_tensor(const at::Tensor& x, const at::Tensor& codes, cons
   const int64_t M = x.size(0), K = x.size(1);
   auto out = at::empty({M, N}, x.options());
   if (M == 0) return out;
-  const int64_t Mp = (M + kTile - 1) / kTile * kTile;
-  at::Tensor xa = x.contiguous();
-  if (Mp != M) {  // the tiles read 16 rows: pad with zeros (the padded rows are computed and dropped)
-    xa = at::zeros({Mp, K}, x.options());
-    xa.narrow(0, 0, M).copy_(x);
+  const at::Tensor xa = x.contiguous();
+  at::Tensor tail;  // the tiles read 16 rows: the last partial tile's rows, padded with zeros
+  if (const int64_t rest = M % kTile) {
+    tail = at::zeros({kTile, K}, x.options());
+    std::copy_n(xa.data_ptr<at::BFloat16>() + (M - rest) * K, rest * K, tail.data_ptr<at::BFloat16>());
   }
   const bool half = scales.scalar_type() == at::kHalf;
   if (bits == 4 && half)
-    woq_gemm<4, at::Half>(xa, codes, scales, mins, bias, group_size, out);
+    woq_gemm<4, at::Half>(xa, tail, codes, scales, mins, bias, group_size, out);
   else if (bits == 4)
-    woq_gemm<4, float>(xa, codes, scales, mins, bias, group_size, out);
+    woq_gemm<4, float>(xa, tail, codes, scales, mins, bias, group_size, out);
   else if (half)
-    woq_gemm<8, at::Half>(xa, codes, scales, mins, bias, group_size, out);
+    woq_gemm<8, at::Half>(xa, tail, codes, scales, mins, bias, group_size, out);
   else
-    woq_gemm<8, float>(xa, codes, scales, mins, bias, group_size, out);
+    woq_gemm<8, float>(xa, tail, codes, scales, mins, bias, group_size, out);
   return out;
 }
 

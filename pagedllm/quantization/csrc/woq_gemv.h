@@ -117,12 +117,8 @@ void gemv_subtiles(const at::BFloat16* x, int64_t K, const uint8_t* codes, const
         y[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs), y[m]);
       }
     }
-    for (int m = 0; m < M; ++m) {
-      alignas(64) float r[kTile];
-      _mm512_store_ps(r, bias ? _mm512_add_ps(y[m], _mm512_loadu_ps(bias + ns * kTile)) : y[m]);
-      at::BFloat16* o = out + m * N + ns * kTile;
-      for (int j = 0; j < kTile; ++j) o[j] = at::BFloat16(r[j]);  // round to nearest even, as ATen
-    }
+    for (int m = 0; m < M; ++m)
+      store_bf16(out + m * N + ns * kTile, bias ? _mm512_add_ps(y[m], _mm512_loadu_ps(bias + ns * kTile)) : y[m]);
   }
 }
 
