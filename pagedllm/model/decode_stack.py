@@ -4,10 +4,10 @@ A single-stream decode step of a model whose linears are quantized in the AMX la
 (quantization/linear.py) or prepacked bf16 (model/layers/packed_linear.py) costs more in the Python and
 dispatch around its ~12 calls a layer than in their arithmetic. The C++ stack makes the same calls on the
 same tensors (the functions the Python path binds, the same ATen and oneDNN ops), so its hidden states
-equal the Python path's bit for bit. It runs
-the steps that are all decodes (any number) and the prefill of one prompt with nothing cached before it
-(a request's first token); built by fuse.py when every decoder linear qualifies. Everything else (mixed
-or chunked steps, several prefills, a quantized KV cache) takes the model's layer loop.
+equal the Python path's bit for bit. It runs the steps that are all decodes (any number) and the
+prefill of one prompt with nothing cached before it (a request's first token); built by fuse.py when
+every decoder linear qualifies. Everything else (mixed or chunked steps, several prefills, a quantized
+KV cache) takes the model's layer loop.
 """
 
 from __future__ import annotations

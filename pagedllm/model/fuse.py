@@ -7,8 +7,8 @@ for q/k/v and one [3072 x 576] for gate/up on the default model), which on 2 CPU
 cost of 90 oneDNN calls a step, and bf16 weights are reordered once (layers/packed_linear.py) instead
 of on every call. Outputs are the same rows of the same products, only computed together.
 Merged quantized layers get their kernel layouts built (quantization/linear.py, pack), and where every
-decoder linear is quantized in the AMX layout, small decode steps run all layers in one C++ call
-(decode_stack.py).
+decoder linear is prepacked bf16 or in the AMX layout, decode steps and fresh prefills run all layers in
+one C++ call (decode_stack.py).
 """
 
 from __future__ import annotations

@@ -231,8 +231,8 @@ class QuantLinear(nn.Module):
 
     def _release_portable(self) -> None:
         """Drop the stored codes, scales and mins where the AMX layout holds the same values in another
-        order (no torch kernel is built beside it): 0.75 bytes a weight for INT4, 1 for INT8. codes(), scales_and_mins(),
-        dequantize_weight() and checkpoint.py rebuild them from the AMX layout when asked."""
+        order (no torch kernel is built beside it): 0.75 bytes a weight for INT4, 1 for INT8. codes(),
+        scales_and_mins(), dequantize_weight() and checkpoint.py rebuild them from the AMX layout."""
         if self._amx and self._kernel != "int8" and self.qweight is not None:
             self.qweight = self.scales = self.mins = None
 
@@ -246,11 +246,13 @@ class QuantLinear(nn.Module):
         return None
 
     def torch_kernel(self) -> str | None:
-        """The torch packed kernel this layer runs for small batches: kernel_kind(), unless the AMX layout
-        is there (its gemv kernel takes the small batches, and the codes are then held once)."""
-        if self._amx or self.amx_usable():
-            return None
-        return self.kernel_kind()
+        """The torch packed kernel this layer runs for small batches: kernel_kind(), unless it runs on the
+        AMX layout (its gemv kernel takes the small batches, and the codes are then held once)."""
+        return None if self.on_amx_layout() else self.kernel_kind()
+
+    def on_amx_layout(self) -> bool:
+        """Whether bf16 activations go through the AMX layout's kernels (built already, or buildable)."""
+        return bool(self._amx) or self.amx_usable()
 
     def amx_usable(self) -> bool:
         """Whether the AMX kernel takes this layer (its shape, and a CPU and compiler that have it)."""
@@ -294,7 +296,7 @@ class QuantLinear(nn.Module):
         "dequantize"."""
         if dtype != torch.bfloat16:
             return "dequantize"
-        if self._amx or self.amx_usable():
+        if self.on_amx_layout():
             return "gemv" if rows <= amx.GEMV_MAX_ROWS else "amx"
         kind = self.kernel_kind()
         if kind is not None and rows <= KERNEL_MAX_ROWS[kind]:
@@ -309,10 +311,10 @@ class QuantLinear(nn.Module):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             y = F.linear(x2, self.dequantize_weight(x.dtype), bias)
         else:
-            on_amx_layout = path in ("gemv", "amx")
-            if not (self._amx if on_amx_layout else self._kernel):  # the layout this path reads
+            amx_path = path in ("gemv", "amx")
+            if not (self._amx if amx_path else self._kernel):  # the layout this path reads
                 self.pack()
-            if on_amx_layout:
+            if amx_path:
                 bias = None if self.bias is None else self.bias.to(x.dtype)  # rounded as F.linear's would be
                 kernel = amx.load().gemv if path == "gemv" else amx.load().gemm
                 y = kernel(

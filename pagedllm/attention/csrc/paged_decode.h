@@ -1,7 +1,7 @@
 // Decode paged attention on the CPU: one query token per sequence, K/V read in place through the
 // block table (no gathered copy of the context). Work is split over (sequence, KV head) tasks; the query
-// heads of a GQA group share every K/V load. Accumulates in float whatever the cache dtype. Shared by
-// paged_decode.cpp (its own parallel_for) and model/csrc/decode_stack.cpp (inside its parallel region).
+// heads of a GQA group share every K/V load. Accumulates in float whatever the cache dtype. Bound for
+// Python by paged_decode.cpp; model/csrc/decode_stack.cpp calls paged_decode and write_kv directly.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -96,8 +96,8 @@ void decode_tasks(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, 
   }
 }
 
-// q [B, H, D] (each sequence's [H, D] contiguous); kv_cache [2, num_blocks, block_size, KVH, D]; block_tables [B, max_blocks] int64;
-// seq_lens [B] int64. Returns [B, H, D] in q's dtype.
+// q [B, H, D] (each sequence's [H, D] contiguous, rows may be strided); kv_cache [2, num_blocks,
+// block_size, KVH, D]; block_tables [B, max_blocks] int64; seq_lens [B] int64. Returns [B, H, D] in q's dtype.
 inline at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables, at::Tensor seq_lens,
                                 double scale) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5, "paged_decode: bad ranks");

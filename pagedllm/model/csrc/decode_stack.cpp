@@ -98,7 +98,8 @@ class DecodeStack {
       layer_ops::rotary_(q, cos, sin);
       layer_ops::rotary_(k, cos, sin);
       paged::write_kv(k, v, kv_caches[l], slot_mapping);
-      const at::Tensor o = prefill ? prefill_attention(q, k, v) : paged::paged_decode(q, kv_caches[l], block_tables, seq_lens, scale_);
+      const at::Tensor o = prefill ? prefill_attention(q, k, v)
+                                   : paged::paged_decode(q, kv_caches[l], block_tables, seq_lens, scale_);
       const at::Tensor attn = layer.o(o.view({B, H * D}));
       // residual + norm, then the MLP: LlamaDecoderLayer.forward, LlamaMLP.forward
       const std::vector<at::Tensor> sum_h = layer_ops::add_rms_norm(attn, x, layer.post_attention_norm, eps_);
@@ -111,9 +112,9 @@ class DecodeStack {
  private:
   // causal attention of one prompt over its own K/V [T, heads, D], in SDPA's [1, heads, T, D] layout
   at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
-    const at::Tensor o = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                                          v.transpose(0, 1).unsqueeze(0), {}, 0.0, /*is_causal=*/true,
-                                                          scale_, /*enable_gqa=*/true);
+    auto sdpa_layout = [](const at::Tensor& t) { return t.transpose(0, 1).unsqueeze(0); };
+    const at::Tensor o = at::scaled_dot_product_attention(sdpa_layout(q), sdpa_layout(k), sdpa_layout(v), {}, 0.0,
+                                                          /*is_causal=*/true, scale_, /*enable_gqa=*/true);
     return o.squeeze(0).transpose(0, 1).contiguous();
   }
 
