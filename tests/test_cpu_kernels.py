@@ -122,10 +122,16 @@ def test_write_kv_uses_the_kernel_for_a_plain_cache(kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("lens", [[1, 15, 16, 17], [100, 300, 7, 64, 33]])
-def test_bf16_decode_kernel_against_float32_reference(kernel, lens):
-    """bf16 K/V read in place through scattered, partly shared blocks (with prefetching ahead)."""
+@pytest.mark.parametrize(
+    "heads, kv_heads, hd",
+    [(9, 3, 64), (4, 4, 64), (8, 2, 128), (14, 2, 64), (8, 1, 32), (10, 1, 64)],
+    ids=["smollm2", "mha", "llama-hd128", "qwen2-7-per-kv", "hd32-generic", "10-per-kv-generic"],
+)
+def test_bf16_decode_kernel_against_float32_reference(kernel, lens, heads, kv_heads, hd):
+    """bf16 K/V read in place through scattered, partly shared blocks (with prefetching ahead); the
+    AVX512-BF16 tasks for head_dim 64 / 128 and 1-8 query heads per KV head, the generic tasks else."""
     gen = torch.Generator().manual_seed(sum(lens))
-    bs, heads, kv_heads, hd = 16, 9, 3, 64
+    bs = 16
     nblocks = [-(-n // bs) for n in lens]
     num_blocks = sum(nblocks) + 4
     ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()

@@ -11,7 +11,10 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#include "paged_decode_bf16.h"
 
 namespace paged {
 
@@ -120,6 +123,20 @@ inline at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor blo
                (float)scale, begin, end);
       });
     };
+#ifdef PAGEDLLM_DECODE_BF16
+    // (the casts only keep the other dtypes' instantiations compiling: this branch runs for bf16)
+    using bf16 = c10::BFloat16;
+    if (auto kernel = decode_tasks_bf16_for(D, H / KVH); kernel && std::is_same_v<scalar_t, bf16>) {
+      const bf16* k_base = reinterpret_cast<const bf16*>(base);
+      at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+        kernel(reinterpret_cast<const bf16*>(q.data_ptr<scalar_t>()), q.stride(0), k_base,
+               k_base + NB * BS * KVH * D, block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+               reinterpret_cast<bf16*>(out.data_ptr<scalar_t>()), H, KVH, BS, block_tables.size(1), (float)scale,
+               begin, end);
+      });
+      return;
+    }
+#endif
     if (D == 64) run(decode_tasks<scalar_t, 64>);
     else if (D == 128) run(decode_tasks<scalar_t, 128>);
     else run(decode_tasks<scalar_t, 0>);
