@@ -99,6 +99,28 @@ void decode_tasks(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, 
   }
 }
 
+// Runs fn(begin, end) over the B * KVH (sequence, KV head) tasks, one contiguous range per thread with
+// about equal numbers of positions to read: a decode batch's contexts differ (the W32 prompts are 20 to 294
+// tokens), and an equal count of tasks per thread left one thread waiting on the other.
+template <typename F>
+void for_balanced_tasks(const int64_t* lens, int64_t B, int64_t KVH, const F& fn) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), B * KVH);
+  if (threads <= 1) return fn(0, B * KVH);
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) total += (lens[b] + 16) * KVH;  // + 16: a task's fixed cost, in positions
+  std::vector<int64_t> bounds(threads + 1, B * KVH);
+  bounds[0] = 0;
+  int64_t done = 0, next = 1;
+  for (int64_t task = 0; task < B * KVH && next < threads; ++task) {
+    done += lens[task / KVH] + 16;
+    while (next < threads && done * threads >= total * next) bounds[next++] = task + 1;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      if (bounds[t] < bounds[t + 1]) fn(bounds[t], bounds[t + 1]);
+  });
+}
+
 // q [B, H, D] (each sequence's [H, D] contiguous, rows may be strided); kv_cache [2, num_blocks,
 // block_size, KVH, D]; block_tables [B, max_blocks] int64; seq_lens [B] int64. Returns [B, H, D] in q's dtype.
 inline at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables, at::Tensor seq_lens,
@@ -116,8 +138,9 @@ inline at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor blo
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     const scalar_t* base = kv_cache.data_ptr<scalar_t>();
+    const int64_t* lens = seq_lens.data_ptr<int64_t>();
     auto run = [&](auto kernel) {
-      at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+      for_balanced_tasks(lens, B, KVH, [&](int64_t begin, int64_t end) {
         kernel(q.data_ptr<scalar_t>(), q.stride(0), base, base + NB * BS * KVH * D, block_tables.data_ptr<int64_t>(),
                seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), H, KVH, D, BS, block_tables.size(1),
                (float)scale, begin, end);
@@ -128,7 +151,7 @@ inline at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor blo
     using bf16 = c10::BFloat16;
     if (auto kernel = decode_tasks_bf16_for(D, H / KVH); kernel && std::is_same_v<scalar_t, bf16>) {
       const bf16* k_base = reinterpret_cast<const bf16*>(base);
-      at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+      for_balanced_tasks(lens, B, KVH, [&](int64_t begin, int64_t end) {
         kernel(reinterpret_cast<const bf16*>(q.data_ptr<scalar_t>()), q.stride(0), k_base,
                k_base + NB * BS * KVH * D, block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
                reinterpret_cast<bf16*>(out.data_ptr<scalar_t>()), H, KVH, BS, block_tables.size(1), (float)scale,
