@@ -49,11 +49,12 @@ def assert_same(a, b, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 64])
-def test_norms_round_like_torch(ops, dtype, rows):
+@pytest.mark.parametrize("width", [576, 100])  # 100: a row that ends in a partial 16-lane chunk
+def test_norms_round_like_torch(ops, dtype, rows, width):
     gen = torch.Generator().manual_seed(rows)
-    x = (torch.randn(rows, 576, generator=gen) * 3).to(dtype)
-    residual = (torch.randn(rows, 576, generator=gen) * 20).to(dtype)
-    weight = torch.randn(576, generator=gen).to(dtype)
+    x = (torch.randn(rows, width, generator=gen) * 3).to(dtype)
+    residual = (torch.randn(rows, width, generator=gen) * 20).to(dtype)
+    weight = torch.randn(width, generator=gen).to(dtype)
     assert_same(ops.rms_norm(x, weight, 1e-5), torch_rms_norm(x, weight, 1e-5), dtype)
     total, normed = ops.add_rms_norm(x, residual, weight, 1e-5)
     assert_same(total, residual + x, dtype)
@@ -76,8 +77,9 @@ def test_rms_norm_module_uses_the_kernel_and_leaves_inputs_alone(ops, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_rounds_like_torch(ops, dtype):
-    gate_up = (torch.randn(33, 2 * 1536, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+@pytest.mark.parametrize("width", [1536, 1000])
+def test_silu_mul_rounds_like_torch(ops, dtype, width):
+    gate_up = (torch.randn(33, 2 * width, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     assert_same(ops.silu_mul(gate_up), F.silu(gate) * up, dtype)
 

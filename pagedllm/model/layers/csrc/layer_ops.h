@@ -8,16 +8,73 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <cmath>
+#include <type_traits>
 #include <vector>
 
-#include <cmath>
+#include "bf16_vec.h"
 
 namespace layer_ops {
 
 // rows of at least this many elements per task before a second thread is worth waking
 constexpr int64_t kGrain = 1 << 14;
 
+#ifdef PAGEDLLM_BF16_VEC
+// bf16 rows take bf16_vec.h's 16-lane loops (the same roundings, bit for bit); other dtypes the scalar ones
+template <typename scalar_t>
+constexpr bool kVector = std::is_same_v<scalar_t, at::BFloat16>;
+#else
+template <typename scalar_t>
+constexpr bool kVector = false;
+#endif
+
 inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, kGrain / std::max<int64_t>(width, 1)); }
+
+// float(x)^2 per element of a row (ATen's pow(2) is x * x)
+template <typename scalar_t>
+void squares_row(const scalar_t* x, float* sq, int64_t width) {
+#ifdef PAGEDLLM_BF16_VEC
+  if constexpr (kVector<scalar_t>) {
+    for (int64_t i = 0; i < width; i += 16) {
+      const __mmask16 k = bf16vec::lanes(i, width);
+      const __m512 v = bf16vec::load(x + i, k);
+      _mm512_mask_storeu_ps(sq + i, k, _mm512_mul_ps(v, v));
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < width; ++i) sq[i] = float(x[i]) * float(x[i]);
+}
+
+// sum = dtype(float(x) + float(sum)) per element of a row: residual + x as torch adds two bf16 tensors
+template <typename scalar_t>
+void add_row(const scalar_t* x, scalar_t* sum, int64_t width) {
+#ifdef PAGEDLLM_BF16_VEC
+  if constexpr (kVector<scalar_t>) {
+    for (int64_t i = 0; i < width; i += 16) {
+      const __mmask16 k = bf16vec::lanes(i, width);
+      bf16vec::store(sum + i, k, _mm512_add_ps(bf16vec::load(x + i, k), bf16vec::load(sum + i, k)));
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < width; ++i) sum[i] = scalar_t(float(x[i]) + float(sum[i]));
+}
+
+// o = dtype(float(o) * float(u)) per element of a row
+template <typename scalar_t>
+void mul_row(scalar_t* o, const scalar_t* u, int64_t width) {
+#ifdef PAGEDLLM_BF16_VEC
+  if constexpr (kVector<scalar_t>) {
+    for (int64_t i = 0; i < width; i += 16) {
+      const __mmask16 k = bf16vec::lanes(i, width);
+      bf16vec::store(o + i, k, _mm512_mul_ps(bf16vec::load(o + i, k), bf16vec::load(u + i, k)));
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < width; ++i) o[i] = scalar_t(float(o[i]) * float(u[i]));
+}
 
 // out = weight * dtype(x * rsqrt(mean(x^2) + eps)) per row. The mean of squares comes from ATen's own
 // reduction (pow, then mean, in float32), so its summation order, and with it every rounding, is the
@@ -31,6 +88,17 @@ void rms_norm_rows(const scalar_t* x, const float* mean_sq, const scalar_t* weig
       const scalar_t* xr = x + r * x_stride;
       const float inv = 1.f / std::sqrt(mean_sq[r] + eps);
       scalar_t* o = out + r * width;
+#ifdef PAGEDLLM_BF16_VEC
+      if constexpr (kVector<scalar_t>) {
+        const __m512 inv_v = _mm512_set1_ps(inv);
+        for (int64_t i = 0; i < width; i += 16) {
+          const __mmask16 k = bf16vec::lanes(i, width);
+          const __m512 normed = bf16vec::round(_mm512_mul_ps(bf16vec::load(xr + i, k), inv_v));
+          bf16vec::store(o + i, k, _mm512_mul_ps(bf16vec::load(weight + i, k), normed));
+        }
+        continue;
+      }
+#endif
       for (int64_t i = 0; i < width; ++i) o[i] = scalar_t(float(weight[i]) * float(scalar_t(float(xr[i]) * inv)));
     }
   });
@@ -46,11 +114,7 @@ inline at::Tensor mean_of_squares(const at::Tensor& x) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mean_of_squares", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r)
-        for (int64_t i = 0; i < width; ++i) {
-          const float v = float(xp[r * xs + i]);
-          sq[r * width + i] = v * v;
-        }
+      for (int64_t r = begin; r < end; ++r) squares_row(xp + r * xs, sq + r * width, width);
     });
   });
   return squares.mean(-1);
@@ -85,8 +149,7 @@ inline std::vector<at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, a
     scalar_t* sp = sum.data_ptr<scalar_t>();
     const int64_t xs = x.stride(0);
     at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r)
-        for (int64_t i = 0; i < width; ++i) sp[r * width + i] = scalar_t(float(xp[r * xs + i]) + float(sp[r * width + i]));
+      for (int64_t r = begin; r < end; ++r) add_row(xp + r * xs, sp + r * width, width);
     });
   });
   auto ms = mean_of_squares(sum);
@@ -110,8 +173,7 @@ inline at::Tensor silu_mul(at::Tensor gate_up) {
     const scalar_t* u = up.data_ptr<scalar_t>();
     const int64_t us = up.stride(0);
     at::parallel_for(0, rows, row_grain(F), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r)
-        for (int64_t i = 0; i < F; ++i) o[r * F + i] = scalar_t(float(o[r * F + i]) * float(u[r * us + i]));
+      for (int64_t r = begin; r < end; ++r) mul_row(o + r * F, u + r * us, F);
     });
   });
   return out;
@@ -131,6 +193,22 @@ void rotary_rows(scalar_t* x, const scalar_t* cos, const scalar_t* sin, int64_t 
       const scalar_t* s = sin + t * D;
       for (int64_t h = 0; h < H; ++h) {
         scalar_t* v = x + t * s0 + h * s1;
+#ifdef PAGEDLLM_BF16_VEC
+        if constexpr (kVector<scalar_t>) {
+          if (half % 16 == 0 && D <= 256) {  // whole 16-lane chunks on either side of the half
+            __m512 res[16];
+            for (int64_t i = 0; i < D; i += 16) {
+              const __m512 rot = i < half ? _mm512_sub_ps(_mm512_setzero_ps(), bf16vec::load(v + i + half, 0xFFFF))
+                                          : bf16vec::load(v + i - half, 0xFFFF);
+              const __m512 a = bf16vec::round(_mm512_mul_ps(bf16vec::load(v + i, 0xFFFF), bf16vec::load(c + i, 0xFFFF)));
+              const __m512 b = bf16vec::round(_mm512_mul_ps(rot, bf16vec::load(s + i, 0xFFFF)));
+              res[i / 16] = _mm512_add_ps(a, b);
+            }
+            for (int64_t i = 0; i < D; i += 16) bf16vec::store(v + i, 0xFFFF, res[i / 16]);
+            continue;
+          }
+        }
+#endif
         for (int64_t i = 0; i < D; ++i) {
           const float rot = i < half ? -float(v[i + half]) : float(v[i - half]);
           const scalar_t a = scalar_t(float(v[i]) * float(c[i]));
