@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <functional>
 #include <type_traits>
 #include <vector>
 
@@ -46,34 +47,20 @@ void squares_row(const scalar_t* x, float* sq, int64_t width) {
   for (int64_t i = 0; i < width; ++i) sq[i] = float(x[i]) * float(x[i]);
 }
 
-// sum = dtype(float(x) + float(sum)) per element of a row: residual + x as torch adds two bf16 tensors
-template <typename scalar_t>
-void add_row(const scalar_t* x, scalar_t* sum, int64_t width) {
+// o = dtype(float(a) <op> float(o)) per element of a row, as a torch op on two bf16 tensors rounds it;
+// op is plus or multiplies (the same op on float lanes and on floats)
+template <typename scalar_t, typename Op>
+void combine_row(const scalar_t* a, scalar_t* o, int64_t width, Op op) {
 #ifdef PAGEDLLM_BF16_VEC
   if constexpr (kVector<scalar_t>) {
     for (int64_t i = 0; i < width; i += 16) {
       const __mmask16 k = bf16vec::lanes(i, width);
-      bf16vec::store(sum + i, k, _mm512_add_ps(bf16vec::load(x + i, k), bf16vec::load(sum + i, k)));
+      bf16vec::store(o + i, k, op(bf16vec::load(a + i, k), bf16vec::load(o + i, k)));
     }
     return;
   }
 #endif
-  for (int64_t i = 0; i < width; ++i) sum[i] = scalar_t(float(x[i]) + float(sum[i]));
-}
-
-// o = dtype(float(o) * float(u)) per element of a row
-template <typename scalar_t>
-void mul_row(scalar_t* o, const scalar_t* u, int64_t width) {
-#ifdef PAGEDLLM_BF16_VEC
-  if constexpr (kVector<scalar_t>) {
-    for (int64_t i = 0; i < width; i += 16) {
-      const __mmask16 k = bf16vec::lanes(i, width);
-      bf16vec::store(o + i, k, _mm512_mul_ps(bf16vec::load(o + i, k), bf16vec::load(u + i, k)));
-    }
-    return;
-  }
-#endif
-  for (int64_t i = 0; i < width; ++i) o[i] = scalar_t(float(o[i]) * float(u[i]));
+  for (int64_t i = 0; i < width; ++i) o[i] = scalar_t(op(float(a[i]), float(o[i])));
 }
 
 // out = weight * dtype(x * rsqrt(mean(x^2) + eps)) per row. The mean of squares comes from ATen's own
@@ -149,7 +136,7 @@ inline std::vector<at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, a
     scalar_t* sp = sum.data_ptr<scalar_t>();
     const int64_t xs = x.stride(0);
     at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) add_row(xp + r * xs, sp + r * width, width);
+      for (int64_t r = begin; r < end; ++r) combine_row(xp + r * xs, sp + r * width, width, std::plus<>());
     });
   });
   auto ms = mean_of_squares(sum);
@@ -173,7 +160,7 @@ inline at::Tensor silu_mul(at::Tensor gate_up) {
     const scalar_t* u = up.data_ptr<scalar_t>();
     const int64_t us = up.stride(0);
     at::parallel_for(0, rows, row_grain(F), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) mul_row(o + r * F, u + r * us, F);
+      for (int64_t r = begin; r < end; ++r) combine_row(u + r * us, o + r * F, F, std::multiplies<>());
     });
   });
   return out;
