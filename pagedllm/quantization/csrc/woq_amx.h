@@ -111,6 +111,10 @@ inline void dequantize_tile(const uint8_t* codes, const S* scale, const S* min, 
 // 19.0 / 17.6 ms (512 B about the same, 2-4 KB no better).
 constexpr int64_t kAmxPrefetchBytes = 1024, kAmxPrefetchGroups = 4;
 
+// How many bytes of dequantized weights (blocks of 32 output columns) are made at once when x has more
+// than 64 rows: they stay in L2 while every 32 rows of x pass over them (7 blocks at K = 576, 2 at 1536).
+constexpr int64_t kStripBytes = 256 * 1024;
+
 // x [M, K] contiguous; tail: x's last M % 16 rows zero-padded to 16 (a tile reads 16 rows), undefined
 // when M is a multiple of 16.
 template <int BITS, typename S>
@@ -131,66 +135,81 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& cod
   const int64_t nblocks = (nsub_total + 1) / 2;  // blocks of 32 output columns (the last may have 16)
   // a task of at least ~64 KB of weight codes before a second thread is woken
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(K * 32 * BITS / 8, 1));
+  // With more than two passes over x's rows (a prefill), blocks are dequantized kStripBytes at a time
+  // and each 32 rows of x, loaded once into L1, meet all of them: one block at a time streamed all of x
+  // from L3 again for every 32 columns (2 MB of x per block at 2,000 rows).
+  const int64_t strip_blocks =
+      Mp > 4 * kTile ? std::clamp<int64_t>(kStripBytes / (K * 2 * kTile * 2), 1, nblocks) : 1;
+  const int64_t tiles_per_block = ksteps * 2 * kTile;  // 16-row bf16 tile rows of one block's K x 32 weights
   at::parallel_for(0, nblocks, grain, [&](int64_t nb_begin, int64_t nb_end) {
     load_tile_config();
-    // K x 32 dequantized weights; new[] of a 64-byte vector type is 64-byte aligned and left uninitialized
-    std::unique_ptr<__m512bh[]> strip(new __m512bh[size_t(ksteps) * 2 * kTile]);
-    __m512bh* tiles = strip.get();
+    // strip_blocks x K x 32 dequantized weights; new[] of a 64-byte vector type is 64-byte aligned and left
+    // uninitialized
+    std::unique_ptr<__m512bh[]> strip(new __m512bh[size_t(strip_blocks * tiles_per_block)]);
     alignas(64) float cbuf[4][kTile * kTile];
-    for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
-      const int64_t ns0 = nb * 2;
-      const int nsubs = ns0 + 1 < nsub_total ? 2 : 1;
-      for (int s = 0; s < nsubs; ++s) {
-        const int64_t ns = ns0 + s;
-        const uint8_t* c = cp + ns * (K / 2) * code_row_bytes;
-        for (int64_t ks = 0; ks < ksteps; ++ks) {
-          const int64_t g = ks * kKStep / group_size;
-          // codes, scales and mins come from L3 / DRAM: ask for them ahead (as the gemv kernel does)
-          const uint8_t* next = c + ks * kTile * code_row_bytes + kAmxPrefetchBytes;
-          for (int64_t line = 0; line < kTile * code_row_bytes; line += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(sp + (ns * groups + g + kAmxPrefetchGroups) * kTile), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(mp + (ns * groups + g + kAmxPrefetchGroups) * kTile), _MM_HINT_T0);
-          dequantize_tile<BITS, S>(c + ks * kTile * code_row_bytes, sp + (ns * groups + g) * kTile,
-                                mp + (ns * groups + g) * kTile, tiles + (ks * 2 + s) * kTile);
+    for (int64_t sb = nb_begin; sb < nb_end; sb += strip_blocks) {
+      const int64_t sb_end = std::min(sb + strip_blocks, nb_end);
+      for (int64_t nb = sb; nb < sb_end; ++nb) {
+        __m512bh* tiles = strip.get() + (nb - sb) * tiles_per_block;
+        const int64_t ns0 = nb * 2;
+        const int nsubs = ns0 + 1 < nsub_total ? 2 : 1;
+        for (int s = 0; s < nsubs; ++s) {
+          const int64_t ns = ns0 + s;
+          const uint8_t* c = cp + ns * (K / 2) * code_row_bytes;
+          for (int64_t ks = 0; ks < ksteps; ++ks) {
+            const int64_t g = ks * kKStep / group_size;
+            // codes, scales and mins come from L3 / DRAM: ask for them ahead (as the gemv kernel does)
+            const uint8_t* next = c + ks * kTile * code_row_bytes + kAmxPrefetchBytes;
+            for (int64_t line = 0; line < kTile * code_row_bytes; line += 64)
+              _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(sp + (ns * groups + g + kAmxPrefetchGroups) * kTile), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(mp + (ns * groups + g + kAmxPrefetchGroups) * kTile), _MM_HINT_T0);
+            dequantize_tile<BITS, S>(c + ks * kTile * code_row_bytes, sp + (ns * groups + g) * kTile,
+                                     mp + (ns * groups + g) * kTile, tiles + (ks * 2 + s) * kTile);
+          }
         }
       }
       for (int64_t m0 = 0; m0 < Mp; m0 += 2 * kTile) {
         const int msubs = m0 + kTile < Mp ? 2 : 1;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
         const uint8_t* a0 = rows_at(m0);
         const uint8_t* a1 = msubs == 2 ? rows_at(m0 + kTile) : nullptr;
-        for (int64_t ks = 0; ks < ksteps; ++ks) {
-          const __m512bh* b = tiles + ks * 2 * kTile;
-          _tile_loadd(6, b, 64);
-          _tile_loadd(4, a0 + ks * 64, K * 2);
-          _tile_dpbf16ps(0, 4, 6);
-          if (nsubs == 2) {
-            _tile_loadd(7, b + kTile, 64);
-            _tile_dpbf16ps(1, 4, 7);
+        for (int64_t nb = sb; nb < sb_end; ++nb) {
+          const __m512bh* tiles = strip.get() + (nb - sb) * tiles_per_block;
+          const int64_t ns0 = nb * 2;
+          const int nsubs = ns0 + 1 < nsub_total ? 2 : 1;
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t ks = 0; ks < ksteps; ++ks) {
+            const __m512bh* b = tiles + ks * 2 * kTile;
+            _tile_loadd(6, b, 64);
+            _tile_loadd(4, a0 + ks * 64, K * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            if (nsubs == 2) {
+              _tile_loadd(7, b + kTile, 64);
+              _tile_dpbf16ps(1, 4, 7);
+            }
+            if (msubs == 2) {
+              _tile_loadd(5, a1 + ks * 64, K * 2);
+              _tile_dpbf16ps(2, 5, 6);
+              if (nsubs == 2) _tile_dpbf16ps(3, 5, 7);
+            }
           }
-          if (msubs == 2) {
-            _tile_loadd(5, a1 + ks * 64, K * 2);
-            _tile_dpbf16ps(2, 5, 6);
-            if (nsubs == 2) _tile_dpbf16ps(3, 5, 7);
-          }
-        }
-        _tile_stored(0, cbuf[0], 64);
-        _tile_stored(1, cbuf[1], 64);
-        _tile_stored(2, cbuf[2], 64);
-        _tile_stored(3, cbuf[3], 64);
-        for (int ms = 0; ms < msubs; ++ms) {
-          for (int r = 0; r < kTile; ++r) {
-            const int64_t row = m0 + ms * kTile + r;
-            if (row >= M) break;
-            for (int s = 0; s < nsubs; ++s) {
-              const int64_t n0 = (ns0 + s) * kTile;
-              __m512 v = _mm512_load_ps(cbuf[ms * 2 + s] + r * kTile);
-              if (bp) v = _mm512_add_ps(v, _mm512_loadu_ps(bp + n0));
-              store_bf16(op + row * N + n0, v);
+          _tile_stored(0, cbuf[0], 64);
+          _tile_stored(1, cbuf[1], 64);
+          _tile_stored(2, cbuf[2], 64);
+          _tile_stored(3, cbuf[3], 64);
+          for (int ms = 0; ms < msubs; ++ms) {
+            for (int r = 0; r < kTile; ++r) {
+              const int64_t row = m0 + ms * kTile + r;
+              if (row >= M) break;
+              for (int s = 0; s < nsubs; ++s) {
+                const int64_t n0 = (ns0 + s) * kTile;
+                __m512 v = _mm512_load_ps(cbuf[ms * 2 + s] + r * kTile);
+                if (bp) v = _mm512_add_ps(v, _mm512_loadu_ps(bp + n0));
+                store_bf16(op + row * N + n0, v);
+              }
             }
           }
         }
