@@ -35,6 +35,24 @@ def supports(bits: int, in_features: int, out_features: int, group_size: int | N
     return bits in (4, 8) and in_features % 32 == 0 and group % 32 == 0 and out_features % 16 == 0
 
 
+def tile_order(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/16, K/2, 32]: each 16 output columns' values for the input pair (2p, 2p+1) in
+    TDPBF16PS's B-tile order e = 2n + k % 2."""
+    n, k = w.shape
+    return w.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32)
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] (N a multiple of 16, K of 32) in the kernels' tile order, for linear_bf16."""
+    return tile_order(weight.to(torch.bfloat16)).contiguous()
+
+
+def from_tile_order(t: torch.Tensor) -> torch.Tensor:
+    """tile_order's inverse: [N/16, K/2, 32] -> [N, K]."""
+    n16, k2 = t.shape[:2]
+    return t.view(n16, k2, 16, 2).permute(0, 2, 1, 3).reshape(n16 * 16, k2 * 2).contiguous()
+
+
 def pack_codes(
     codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -42,7 +60,7 @@ def pack_codes(
     each 16 output columns' codes in the AMX B-tile order e = 2n + k % 2, scales / mins [N/16, groups, 16]
     in float16 when that holds them exactly (a decode step streams 0.125 B a weight less), else float32."""
     n, k = codes.shape
-    e_order = codes.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32)
+    e_order = tile_order(codes)
     if bits == 4:
         packed = e_order[..., :16] | (e_order[..., 16:] << 4)
     else:
@@ -65,9 +83,8 @@ def exact_in_float16(t: torch.Tensor) -> bool:
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """pack_codes' codes back to uint8 [N, K] (the inverse permutation)."""
-    n16, k2 = packed.shape[:2]
     e_order = torch.cat((packed & 0x0F, packed >> 4), dim=-1) if bits == 4 else packed
-    return e_order.view(n16, k2, 16, 2).permute(0, 2, 1, 3).reshape(n16 * 16, k2 * 2).contiguous()
+    return from_tile_order(e_order)
 
 
 def unpack_groups(t: torch.Tensor) -> torch.Tensor:

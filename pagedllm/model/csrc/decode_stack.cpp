@@ -32,14 +32,15 @@ at::Tensor packed_bf16_linear(const at::Tensor& x, const at::Tensor& packed, con
   return stack.back().toTensor();
 }
 
-// One linear of a layer: quantized in the AMX layout (codes, scales, mins; a float32 bias or none), or,
-// with bits == 0, a bf16 weight prepacked for oneDNN (packed; a bf16 bias or none).
+// One linear of a layer: quantized in the AMX layout (codes, scales, mins; a float32 bias or none), with
+// bits == 16 bf16 weights in the same tile order (codes; scales and mins empty), or, with bits == 0, a
+// bf16 weight prepacked for oneDNN (packed; a bf16 bias or none).
 struct Linear {
   at::Tensor codes, scales, mins, bias, packed;
   int64_t bits, group_size, out_features;
 
-  // the kernel the Python layer picks: QuantLinear.path() (dot products for a few rows, AMX tiles
-  // above), or PackedLinear's oneDNN call
+  // the kernel the Python layer picks: QuantLinear.path() and PackedLinear in the tile order (dot
+  // products for a few rows, AMX tiles above), or PackedLinear's oneDNN call
   at::Tensor operator()(const at::Tensor& x) const {
     if (bits == 0) return packed_bf16_linear(x, packed, bias);
     if (x.size(0) <= woq::kGemvMaxRows)
