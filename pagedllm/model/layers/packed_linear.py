@@ -3,9 +3,10 @@
 With AMX (quantization/amx.py): the weight in the AMX tile order ([N/16, K/2, 32], `amx.pack_bf16`),
 multiplied by the same kernels as the quantized layers, with nothing to dequantize: AVX512-BF16 dot
 products for 1-4 rows, AMX tiles above. A decode step's bf16 linears are bound by reading the weights,
-and oneDNN's prepacked kernel read them at 10-13 GB/s where these read at 15-26: the default model's 30
-layers alternated with oneDNN's, per call, 1.2-3.3x faster at 1-50 rows, 1.1-1.8x at 256, 0.9x at
-2,048 (a whole W32 prefill). Products are exact and summed in float32 in another order than oneDNN's.
+and oneDNN's prepacked kernel read them at 10-13 GB/s where these read at 15-26: per call, 30 weights of
+each of the default model's shapes alternated with oneDNN's (scripts/bench_linears.py), 1.1-3.3x faster
+at 1-50 rows, 1-1.8x at 256, but 0.8-0.9x at 2,048 (a long prefill chunk: oneDNN blocks large GEMMs
+better). Products are exact and summed in float32 in another order than oneDNN's.
 
 Without AMX: oneDNN's own blocked layout (`F.linear` on a plain bf16 weight reorders it on every call,
 which for these small matrices costs as much as the multiply: the 30 layers of the default model at 32
