@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pagedllm.model.decode_stack import build_decode_stack
-from pagedllm.model.layers.packed_linear import PackedLinear, prepacking_available
+from pagedllm.model.layers.packed_linear import PackedLinear, prepacking_available, tile_order_fits
 from pagedllm.quantization.linear import QuantLinear
 
 logger = logging.getLogger(__name__)
@@ -51,10 +51,13 @@ def merge_linears(layers: list[nn.Module]) -> nn.Module | None:
 
 
 def prepack(layer: nn.Module) -> nn.Module:
+    """A PackedLinear for a bf16 CPU nn.Linear that one of its layouts takes (the AMX tile order, else
+    oneDNN's), else the layer itself."""
     if (
         type(layer) is nn.Linear
         and layer.weight.dtype == torch.bfloat16
         and layer.weight.device.type == "cpu"
+        and (tile_order_fits(layer.weight) or prepacking_available())
     ):
         return PackedLinear(layer.weight, layer.bias)
     return layer
@@ -62,7 +65,6 @@ def prepack(layer: nn.Module) -> nn.Module:
 
 def fuse_for_inference(model: nn.Module) -> None:
     """Merge and prepack in place (idempotent). After it the model serves; it no longer quantizes."""
-    pack = prepacking_available()
     merged = 0
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -78,19 +80,17 @@ def fuse_for_inference(model: nn.Module) -> None:
                 mlp.gate_up_proj = gate_up
                 del mlp.gate_proj, mlp.up_proj
                 merged += 1
-        if pack:
-            for parent, names in (
-                (attn, ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj")),
-                (mlp, ("gate_up_proj", "gate_proj", "up_proj", "down_proj")),
-            ):
-                for name in names:
-                    child = getattr(parent, name, None)
-                    if child is not None:
-                        setattr(parent, name, prepack(child))
-    if pack:
-        # the largest matmul of a decode step. A tied lm_head gets its own packed copy of the embedding
-        # (+56 MB on the default model, counted by resident_weight_bytes): 17 -> 12 ms at 32 rows, 1 thread
-        model.lm_head = prepack(model.lm_head)
+        for parent, names in (
+            (attn, ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj")),
+            (mlp, ("gate_up_proj", "gate_proj", "up_proj", "down_proj")),
+        ):
+            for name in names:
+                child = getattr(parent, name, None)
+                if child is not None:
+                    setattr(parent, name, prepack(child))
+    # the largest matmul of a decode step. A tied lm_head gets its own packed copy of the embedding
+    # (+56 MB on the default model, counted by resident_weight_bytes): 17 -> 12 ms at 32 rows, 1 thread
+    model.lm_head = prepack(model.lm_head)
     # merged quantized layers: build their kernel layouts now, so resident bytes are right from the start
     if model.model.embed_tokens.weight.dtype == torch.bfloat16:
         for module in model.modules():
@@ -98,8 +98,8 @@ def fuse_for_inference(model: nn.Module) -> None:
                 module.pack()
     model.decode_stack = build_decode_stack(model)
     logger.debug(
-        "fused %d projection groups; bf16 weights prepacked: %s; C++ decode stack: %s",
+        "fused %d projection groups; bf16 linears prepacked: %d; C++ decode stack: %s",
         merged,
-        pack,
+        sum(isinstance(m, PackedLinear) for m in model.modules()),
         model.decode_stack is not None,
     )

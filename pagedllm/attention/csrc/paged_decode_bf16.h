@@ -8,7 +8,7 @@
 // differ from theirs in the last bits (the tests hold both to a float32 reference).
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define PAGEDLLM_DECODE_BF16 1
 
 #include <immintrin.h>
@@ -19,6 +19,8 @@
 #include <vector>
 
 #include <c10/util/BFloat16.h>
+
+#include "../../csrc/bf16_vec.h"
 
 namespace paged {
 
@@ -144,19 +146,14 @@ void decode_tasks_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFlo
         for (int64_t d = 0; d < D; d += 32)
           __builtin_prefetch(v_cache + ((table[t / BS + 1] * BS + t % BS) * KVH + h) * D + d, 0, 3);
       __m512 vf[FV];
-      for (int64_t j = 0; j < FV; ++j)
-        vf[j] = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * j))), 16));
+      for (int64_t j = 0; j < FV; ++j) vf[j] = bf16vec::load(v + 16 * j, 0xFFFF);
       for (int64_t g = 0; g < G; ++g) {
         const __m512 p = _mm512_set1_ps(scores[g * L + t]);
         for (int64_t j = 0; j < FV; ++j) acc[g][j] = _mm512_fmadd_ps(p, vf[j], acc[g][j]);
       }
     }
-    for (int64_t g = 0; g < G; ++g) {
-      alignas(64) float row[D];
-      for (int64_t j = 0; j < FV; ++j) _mm512_store_ps(row + 16 * j, acc[g][j]);
-      for (int64_t d = 0; d < D; ++d) out[(b * H + h * G + g) * D + d] = c10::BFloat16(row[d]);
-    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t j = 0; j < FV; ++j) bf16vec::store(out + (b * H + h * G + g) * D + 16 * j, 0xFFFF, acc[g][j]);
   }
 }
 

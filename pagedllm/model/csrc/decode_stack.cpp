@@ -43,9 +43,7 @@ struct Linear {
   // products for a few rows, AMX tiles above), or PackedLinear's oneDNN call
   at::Tensor operator()(const at::Tensor& x) const {
     if (bits == 0) return packed_bf16_linear(x, packed, bias);
-    if (x.size(0) <= woq::kGemvMaxRows)
-      return woq::gemv_tensor(x, codes, scales, mins, bias, bits, group_size, out_features);
-    return woq::gemm_tensor(x, codes, scales, mins, bias, bits, group_size, out_features);
+    return woq::linear_tensor(x, codes, scales, mins, bias, bits, group_size, out_features);
   }
 };
 

@@ -75,8 +75,7 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor weights, c10::optional<at::Tenso
   at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   TORCH_CHECK(!b.defined() || b.numel() == N, "woq_amx: bias must have the weights' N values");
   const at::Tensor none = at::empty({0}, x.options().dtype(at::kFloat));
-  if (x.size(0) <= woq::kGemvMaxRows && x.size(0) > 0) return woq::gemv_tensor(x, weights, none, none, b, 16, K, N);
-  return woq::gemm_tensor(x, weights, none, none, b, 16, K, N);
+  return woq::linear_tensor(x, weights, none, none, b, 16, K, N);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

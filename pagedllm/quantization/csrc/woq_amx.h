@@ -147,35 +147,38 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& cod
     if constexpr (BITS == 16) return reinterpret_cast<const __m512bh*>(cp) + ((2 * nb + s) * ksteps + ks) * kTile;
     return strip + (nb - sb) * tiles_per_block + (ks * 2 + s) * kTile;
   };
+  // blocks [sb, sb_end) of 4- or 8-bit codes dequantized into the strip, one after another
+  auto dequantize_blocks = [&](__m512bh* strip, int64_t sb, int64_t sb_end) {
+    for (int64_t nb = sb; nb < sb_end; ++nb) {
+      __m512bh* tiles = strip + (nb - sb) * tiles_per_block;
+      const int64_t ns0 = nb * 2;
+      const int nsubs = ns0 + 1 < nsub_total ? 2 : 1;
+      for (int s = 0; s < nsubs; ++s) {
+        const int64_t ns = ns0 + s;
+        const uint8_t* c = cp + ns * (K / 2) * code_row_bytes;
+        for (int64_t ks = 0; ks < ksteps; ++ks) {
+          const int64_t g = ks * kKStep / group_size;
+          // codes, scales and mins come from L3 / DRAM: ask for them ahead (as the gemv kernel does)
+          const uint8_t* next = c + ks * kTile * code_row_bytes + kAmxPrefetchBytes;
+          for (int64_t line = 0; line < kTile * code_row_bytes; line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(sp + (ns * groups + g + kAmxPrefetchGroups) * kTile), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(mp + (ns * groups + g + kAmxPrefetchGroups) * kTile), _MM_HINT_T0);
+          dequantize_tile<BITS, S>(c + ks * kTile * code_row_bytes, sp + (ns * groups + g) * kTile,
+                                   mp + (ns * groups + g) * kTile, tiles + (ks * 2 + s) * kTile);
+        }
+      }
+    }
+  };
   at::parallel_for(0, nblocks, grain, [&](int64_t nb_begin, int64_t nb_end) {
     load_tile_config();
-    // strip_blocks x K x 32 dequantized weights; new[] of a 64-byte vector type is 64-byte aligned and left
-    // uninitialized
-    std::unique_ptr<__m512bh[]> strip(new __m512bh[BITS == 16 ? 0 : size_t(strip_blocks * tiles_per_block)]);
+    // strip_blocks x K x 32 dequantized weights (none for bf16); new[] of a 64-byte vector type is 64-byte
+    // aligned and left uninitialized
+    std::unique_ptr<__m512bh[]> strip(BITS == 16 ? nullptr : new __m512bh[size_t(strip_blocks * tiles_per_block)]);
     alignas(64) float cbuf[4][kTile * kTile];
     for (int64_t sb = nb_begin; sb < nb_end; sb += strip_blocks) {
       const int64_t sb_end = std::min(sb + strip_blocks, nb_end);
-      for (int64_t nb = sb; nb < sb_end && BITS != 16; ++nb) {  // (bf16: nothing to do)
-        __m512bh* tiles = strip.get() + (nb - sb) * tiles_per_block;
-        const int64_t ns0 = nb * 2;
-        const int nsubs = ns0 + 1 < nsub_total ? 2 : 1;
-        for (int s = 0; s < nsubs; ++s) {
-          const int64_t ns = ns0 + s;
-          const uint8_t* c = cp + ns * (K / 2) * code_row_bytes;
-          for (int64_t ks = 0; ks < ksteps; ++ks) {
-            const int64_t g = ks * kKStep / group_size;
-            // codes, scales and mins come from L3 / DRAM: ask for them ahead (as the gemv kernel does)
-            const uint8_t* next = c + ks * kTile * code_row_bytes + kAmxPrefetchBytes;
-            for (int64_t line = 0; line < kTile * code_row_bytes; line += 64)
-              _mm_prefetch(reinterpret_cast<const char*>(next + line), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(sp + (ns * groups + g + kAmxPrefetchGroups) * kTile), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(mp + (ns * groups + g + kAmxPrefetchGroups) * kTile), _MM_HINT_T0);
-            if constexpr (BITS != 16)
-              dequantize_tile<BITS, S>(c + ks * kTile * code_row_bytes, sp + (ns * groups + g) * kTile,
-                                     mp + (ns * groups + g) * kTile, tiles + (ks * 2 + s) * kTile);
-          }
-        }
-      }
+      if constexpr (BITS != 16) dequantize_blocks(strip.get(), sb, sb_end);  // (bf16: nothing to do)
       for (int64_t m0 = 0; m0 < Mp; m0 += 2 * kTile) {
         const int msubs = m0 + kTile < Mp ? 2 : 1;
         const uint8_t* a0 = rows_at(m0);

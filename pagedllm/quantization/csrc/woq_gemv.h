@@ -194,6 +194,16 @@ inline at::Tensor gemv_tensor(const at::Tensor& x, const at::Tensor& codes, cons
   return out;
 }
 
+// x [M, K] bf16 times a layer in the AMX layout (bits 4 or 8; 16 for bf16 weights in the same order):
+// the dot-product kernel for 1-4 rows, the AMX tiles above, as QuantLinear.path() chooses in Python.
+inline at::Tensor linear_tensor(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                                const at::Tensor& mins, const at::Tensor& bias, int64_t bits, int64_t group_size,
+                                int64_t N) {
+  if (x.size(0) >= 1 && x.size(0) <= kGemvMaxRows)
+    return gemv_tensor(x, codes, scales, mins, bias, bits, group_size, N);
+  return gemm_tensor(x, codes, scales, mins, bias, bits, group_size, N);
+}
+
 }  // namespace woq
 
 #pragma GCC pop_options

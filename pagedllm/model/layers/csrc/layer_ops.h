@@ -13,7 +13,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "bf16_vec.h"
+#include "../../../csrc/bf16_vec.h"
 
 namespace layer_ops {
 

@@ -1,4 +1,5 @@
-// 16 bf16 values at a time as float32, for the element-wise layer ops (layer_ops.h) with AVX-512.
+// 16 bf16 values at a time as float32 with AVX-512, for the element-wise layer ops
+// (model/layers/csrc/layer_ops.h) and the decode attention (attention/csrc/paged_decode_bf16.h).
 //
 // The scalar loops converted element by element through c10::BFloat16; these convert 16 at a time and
 // round exactly as c10::BFloat16(float) does (to nearest even in integer arithmetic, denormals kept, NaN
