@@ -48,6 +48,17 @@ def assert_same(a, b, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_mean_of_squares_sums_in_atens_order(ops, dtype):
+    # every width up to 300 (each remainder of the 8-lane vectors and 4 accumulators) and model widths
+    # up to 14,336 (which go through the cascade's levels), rows spanning 12 orders of magnitude
+    gen = torch.Generator().manual_seed(0)
+    for width in [*range(1, 301), 576, 960, 1536, 2048, 3072, 4096, 5000, 8192, 11008, 14336]:
+        x = (torch.randn(8, width, generator=gen) * torch.logspace(-3, 3, 8)[:, None]).to(dtype)
+        expected = x.float().pow(2).mean(-1)
+        assert torch.equal(ops.mean_of_squares(x), expected), f"width {width}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 7, 64])
 @pytest.mark.parametrize("width", [576, 100])  # 100: a row that ends in a partial 16-lane chunk
 def test_norms_round_like_torch(ops, dtype, rows, width):

@@ -6,6 +6,7 @@
 using namespace layer_ops;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("mean_of_squares", &mean_of_squares, "mean(float(x)^2) per row, summed as ATen sums");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
   m.def("add_rms_norm", &add_rms_norm, "(residual + x, RMSNorm(residual + x))");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");

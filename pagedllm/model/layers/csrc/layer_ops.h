@@ -1,13 +1,14 @@
 // Element-wise pieces of a decoder layer, one call each instead of 4-10 torch ops: on 2 CPU cores a
 // decode step's small tensors ([32, 576]) make the per-op dispatch cost, not the arithmetic, the bill.
-// Every op rounds where the torch code it replaces rounds (model/layers/*.py), so bf16 results match
-// it except the order of the RMS sum. Bound for Python by layer_ops.cpp; model/csrc/decode_stack.cpp calls
+// Every op rounds where the torch code it replaces rounds (model/layers/*.py), the RMS sum included, so
+// bf16 results match it bit for bit. Bound for Python by layer_ops.cpp; model/csrc/decode_stack.cpp calls
 // them directly.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <type_traits>
@@ -47,75 +48,146 @@ void squares_row(const scalar_t* x, float* sq, int64_t width) {
   for (int64_t i = 0; i < width; ++i) sq[i] = float(x[i]) * float(x[i]);
 }
 
-// o = dtype(float(a) <op> float(o)) per element of a row, as a torch op on two bf16 tensors rounds it;
-// op is plus or multiplies (the same op on float lanes and on floats)
+// o = dtype(float(a) <op> float(b)) per element of a row (o may be b), as a torch op on two bf16 tensors
+// rounds it; op is plus or multiplies (the same op on float lanes and on floats)
 template <typename scalar_t, typename Op>
-void combine_row(const scalar_t* a, scalar_t* o, int64_t width, Op op) {
+void combine_row(const scalar_t* a, const scalar_t* b, scalar_t* o, int64_t width, Op op) {
 #ifdef PAGEDLLM_BF16_VEC
   if constexpr (kVector<scalar_t>) {
     for (int64_t i = 0; i < width; i += 16) {
       const __mmask16 k = bf16vec::lanes(i, width);
-      bf16vec::store(o + i, k, op(bf16vec::load(a + i, k), bf16vec::load(o + i, k)));
+      bf16vec::store(o + i, k, op(bf16vec::load(a + i, k), bf16vec::load(b + i, k)));
     }
     return;
   }
 #endif
-  for (int64_t i = 0; i < width; ++i) o[i] = scalar_t(op(float(a[i]), float(o[i])));
+  for (int64_t i = 0; i < width; ++i) o[i] = scalar_t(op(float(a[i]), float(b[i])));
 }
 
-// out = weight * dtype(x * rsqrt(mean(x^2) + eps)) per row. The mean of squares comes from ATen's own
-// reduction (pow, then mean, in float32), so its summation order, and with it every rounding, is the
-// torch code's: a different order moves bf16 results by an ulp now and then, and a greedy token with
-// them.
-template <typename scalar_t>
-void rms_norm_rows(const scalar_t* x, const float* mean_sq, const scalar_t* weight, scalar_t* out,
-                          int64_t rows, int64_t width, int64_t x_stride, float eps) {
-  at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* xr = x + r * x_stride;
-      const float inv = 1.f / std::sqrt(mean_sq[r] + eps);
-      scalar_t* o = out + r * width;
-#ifdef PAGEDLLM_BF16_VEC
-      if constexpr (kVector<scalar_t>) {
-        const __m512 inv_v = _mm512_set1_ps(inv);
-        for (int64_t i = 0; i < width; i += 16) {
-          const __mmask16 k = bf16vec::lanes(i, width);
-          const __m512 normed = bf16vec::round(_mm512_mul_ps(bf16vec::load(xr + i, k), inv_v));
-          bf16vec::store(o + i, k, _mm512_mul_ps(bf16vec::load(weight + i, k), normed));
-        }
-        continue;
+// The float32 sum of n values as ATen's sum kernel adds a contiguous row (SumKernel.cpp, as dispatched
+// on x86: 8-lane vectors): vector v's lanes go to accumulator v % 4, cascaded through 4 levels every
+// 2^max(4, ceil(log2(n / 32)) / 4) rows of 4 vectors; then accumulators 1-3 into 0, the leftover
+// elements, and the 8 lanes, in order (fewer than 8 values: the same over scalars). x.pow(2).mean(-1)
+// is this sum divided by n, so an RMSNorm here rounds as torch's does without calling ATen's reduction,
+// which cost more than the norm (a tensor of squares, an iterator, a thread hand-off). Any other order
+// moves a bf16 result by an ulp now and then, and a greedy token with it; tests/test_cpu_kernels.py holds
+// it to torch's mean bit for bit over widths 1-300 and model widths up to 14,336.
+// LANES floats as one value (GCC's vector extension: lane-wise adds, as Vectorized<float>'s); 1: a float
+template <int LANES>
+struct FloatLanes {
+  typedef float type __attribute__((vector_size(LANES * sizeof(float))));
+};
+template <>
+struct FloatLanes<1> {
+  using type = float;
+};
+
+template <int LANES = 8>
+float sum_like_aten(const float* x, int64_t n) {
+  if constexpr (LANES > 1)
+    if (n < LANES) return sum_like_aten<1>(x, n);
+  using Vec = typename FloatLanes<LANES>::type;
+  auto load = [x](int64_t v) {
+    Vec r;
+    __builtin_memcpy(&r, x + v * LANES, sizeof(Vec));
+    return r;
+  };
+  constexpr int kLevels = 4, kIlp = 4;
+  const int64_t vecs = n / LANES, rows = vecs / kIlp;
+  const int64_t bits = rows <= 2 ? 1 : 64 - __builtin_clzll(uint64_t(rows - 1));  // ceil(log2(rows))
+  const int64_t level_power = std::max<int64_t>(4, bits / kLevels);
+  const int64_t step = int64_t(1) << level_power, mask = step - 1;
+  Vec acc[kLevels][kIlp] = {};
+  int64_t i = 0;
+  while (i + step <= rows) {
+    for (int64_t j = 0; j < step; ++j, ++i)
+      for (int k = 0; k < kIlp; ++k) acc[0][k] += load(kIlp * i + k);
+    for (int j = 1; j < kLevels; ++j) {
+      for (int k = 0; k < kIlp; ++k) {
+        acc[j][k] += acc[j - 1][k];
+        acc[j - 1][k] = Vec{};
       }
-#endif
-      for (int64_t i = 0; i < width; ++i) o[i] = scalar_t(float(weight[i]) * float(scalar_t(float(xr[i]) * inv)));
+      if ((i & (mask << (j * level_power))) != 0) break;
     }
+  }
+  for (; i < rows; ++i)
+    for (int k = 0; k < kIlp; ++k) acc[0][k] += load(kIlp * i + k);
+  for (int j = 1; j < kLevels; ++j)
+    for (int k = 0; k < kIlp; ++k) acc[0][k] += acc[j][k];
+  for (int64_t v = rows * kIlp; v < vecs; ++v) acc[0][0] += load(v);
+  for (int k = 1; k < kIlp; ++k) acc[0][0] += acc[0][k];
+  float total = 0.f;
+  for (int64_t e = vecs * LANES; e < n; ++e) total += x[e];
+  if constexpr (LANES == 1)
+    total += acc[0][0];
+  else
+    for (int l = 0; l < LANES; ++l) total += acc[0][0][l];
+  return total;
+}
+
+// mean(float(x)^2) of one row, as x.float().pow(2).mean(-1) computes it (ATen's pow(2) is x * x)
+template <typename scalar_t>
+float mean_of_squares_row(const scalar_t* x, float* sq, int64_t width) {
+  squares_row(x, sq, width);
+  return sum_like_aten(sq, width) / float(width);
+}
+
+// out = weight * dtype(x * rsqrt(mean(x^2) + eps)) for one row; sq: width floats of scratch
+template <typename scalar_t>
+void rms_norm_row(const scalar_t* x, const scalar_t* weight, scalar_t* o, float* sq, int64_t width, float eps) {
+  const float inv = 1.f / std::sqrt(mean_of_squares_row(x, sq, width) + eps);
+#ifdef PAGEDLLM_BF16_VEC
+  if constexpr (kVector<scalar_t>) {
+    const __m512 inv_v = _mm512_set1_ps(inv);
+    for (int64_t i = 0; i < width; i += 16) {
+      const __mmask16 k = bf16vec::lanes(i, width);
+      const __m512 normed = bf16vec::round(_mm512_mul_ps(bf16vec::load(x + i, k), inv_v));
+      bf16vec::store(o + i, k, _mm512_mul_ps(bf16vec::load(weight + i, k), normed));
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < width; ++i) o[i] = scalar_t(float(weight[i]) * float(scalar_t(float(x[i]) * inv)));
+}
+
+// fn(begin, end, scratch) over rows, on several threads only where there is enough work to pay for
+// waking them; scratch holds `width` floats
+template <typename F>
+void for_rows(int64_t rows, int64_t width, const F& fn) {
+  at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(width);
+    fn(begin, end, scratch.data());
   });
 }
 
-// mean(float(x)^2) per row, as x.float().pow(2).mean(-1) computes it: the squares are the same float
-// products (ATen's pow(2) is x * x), made here in one pass instead of a conversion and a pow, and the
-// mean is ATen's own reduction over them.
-inline at::Tensor mean_of_squares(const at::Tensor& x) {
+// mean(float(x)^2) per row of x [rows, width], float32 [rows]: what the norms use, bound for the tests
+inline at::Tensor mean_of_squares(at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "mean_of_squares: x must be [rows, width] with unit column stride");
   const int64_t rows = x.size(0), width = x.size(1), xs = x.stride(0);
-  auto squares = at::empty({rows, width}, x.options().dtype(at::kFloat));
-  float* sq = squares.data_ptr<float>();
+  auto out = at::empty({rows}, x.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "mean_of_squares", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) squares_row(xp + r * xs, sq + r * width, width);
+    float* o = out.data_ptr<float>();
+    for_rows(rows, width, [&](int64_t begin, int64_t end, float* sq) {
+      for (int64_t r = begin; r < end; ++r) o[r] = mean_of_squares_row(xp + r * xs, sq, width);
     });
   });
-  return squares.mean(-1);
+  return out;
 }
 
 inline at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [rows, width] with unit column stride");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight and x dtypes differ");
   weight = weight.contiguous();
-  auto out = at::empty({x.size(0), x.size(1)}, x.options());
-  auto ms = mean_of_squares(x);
+  const int64_t rows = x.size(0), width = x.size(1), xs = x.stride(0);
+  auto out = at::empty({rows, width}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), ms.data_ptr<float>(), weight.data_ptr<scalar_t>(),
-                            out.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0), (float)eps);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    for_rows(rows, width, [&](int64_t begin, int64_t end, float* sq) {
+      for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * xs, w, o + r * width, sq, width, (float)eps);
+    });
   });
   return out;
 }
@@ -127,22 +199,22 @@ inline std::vector<at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, a
   TORCH_CHECK(residual.sizes() == x.sizes(), "add_rms_norm: residual must have x's shape");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && residual.scalar_type() == x.scalar_type(), "add_rms_norm: dtypes differ");
   weight = weight.contiguous();
-  auto sum = residual.contiguous();
-  sum = sum.is_same(residual) ? sum.clone() : sum;
-  auto out = at::empty_like(sum);
-  const int64_t rows = x.size(0), width = x.size(1);
+  residual = residual.contiguous();
+  auto sum = at::empty_like(residual);
+  auto out = at::empty_like(residual);
+  const int64_t rows = x.size(0), width = x.size(1), xs = x.stride(0);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    const scalar_t* rp = residual.data_ptr<scalar_t>();
     scalar_t* sp = sum.data_ptr<scalar_t>();
-    const int64_t xs = x.stride(0);
-    at::parallel_for(0, rows, row_grain(width), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) combine_row(xp + r * xs, sp + r * width, width, std::plus<>());
+    scalar_t* o = out.data_ptr<scalar_t>();
+    for_rows(rows, width, [&](int64_t begin, int64_t end, float* sq) {
+      for (int64_t r = begin; r < end; ++r) {
+        combine_row(xp + r * xs, rp + r * width, sp + r * width, width, std::plus<>());
+        rms_norm_row(sp + r * width, w, o + r * width, sq, width, (float)eps);
+      }
     });
-  });
-  auto ms = mean_of_squares(sum);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
-    rms_norm_rows<scalar_t>(sum.data_ptr<scalar_t>(), ms.data_ptr<float>(), weight.data_ptr<scalar_t>(),
-                            out.data_ptr<scalar_t>(), rows, width, width, (float)eps);
   });
   return {sum, out};
 }
@@ -160,7 +232,7 @@ inline at::Tensor silu_mul(at::Tensor gate_up) {
     const scalar_t* u = up.data_ptr<scalar_t>();
     const int64_t us = up.stride(0);
     at::parallel_for(0, rows, row_grain(F), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) combine_row(u + r * us, o + r * F, F, std::multiplies<>());
+      for (int64_t r = begin; r < end; ++r) combine_row(u + r * us, o + r * F, o + r * F, F, std::multiplies<>());
     });
   });
   return out;
