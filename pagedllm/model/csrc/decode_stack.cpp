@@ -87,23 +87,29 @@ class DecodeStack {
                      const at::Tensor& seq_lens, const at::Tensor& slot_mapping, bool prefill) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "decode_stack: one KV cache per layer");
     const int64_t B = x.size(0), H = num_heads_, KVH = num_kv_heads_, D = head_dim_;
+    if (layers_.empty()) return x;
+    // h: the layer's normed input. Each layer's last residual add is fused into the next layer's input
+    // norm (add_rms_norm rounds the sum to the dtype first, as x + mlp then rms_norm(x) does).
+    at::Tensor h = layer_ops::rms_norm(x, layers_[0].input_norm, eps_);
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& layer = layers_[l];
       // attention: LlamaAttention.forward
-      const at::Tensor qkv = layer.qkv(layer_ops::rms_norm(x, layer.input_norm, eps_));
+      const at::Tensor qkv = layer.qkv(h);
       const at::Tensor q = qkv.narrow(1, 0, H * D).view({B, H, D});
       const at::Tensor k = qkv.narrow(1, H * D, KVH * D).view({B, KVH, D});
       const at::Tensor v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({B, KVH, D});
-      layer_ops::rotary_(q, cos, sin);
-      layer_ops::rotary_(k, cos, sin);
+      layer_ops::rotary_(qkv.narrow(1, 0, (H + KVH) * D).view({B, H + KVH, D}), cos, sin);  // q and k heads
       paged::write_kv(k, v, kv_caches[l], slot_mapping);
       const at::Tensor o = prefill ? prefill_attention(q, k, v)
                                    : paged::paged_decode(q, kv_caches[l], block_tables, seq_lens, scale_);
       const at::Tensor attn = layer.o(o.view({B, H * D}));
       // residual + norm, then the MLP: LlamaDecoderLayer.forward, LlamaMLP.forward
-      const std::vector<at::Tensor> sum_h = layer_ops::add_rms_norm(attn, x, layer.post_attention_norm, eps_);
+      std::vector<at::Tensor> sum_h = layer_ops::add_rms_norm(attn, x, layer.post_attention_norm, eps_);
       const at::Tensor mlp = layer.down(layer_ops::silu_mul(layer.gate_up(sum_h[1])));
-      x = sum_h[0] + mlp;
+      if (l + 1 == layers_.size()) return sum_h[0] + mlp;
+      sum_h = layer_ops::add_rms_norm(mlp, sum_h[0], layers_[l + 1].input_norm, eps_);
+      x = sum_h[0];
+      h = sum_h[1];
     }
     return x;
   }
