@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.sampler import SamplingBatch, apply_penalties, apply_top_k_top_p, sample
+from pagedllm.worker.sampler import (
+    SamplingBatch,
+    apply_penalties,
+    apply_top_k_top_p,
+    argmax_kernel,
+    greedy,
+    sample,
+)
 
 V = 32
 
@@ -27,6 +34,39 @@ def test_greedy_is_argmax_and_skips_extras():
     out = sample(logits, batch)
     assert out.token_ids == logits.argmax(-1).tolist()
     assert out.logprobs == [None] * 4 and out.sampled_logprobs == [None] * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 33, 100, 49152, 49153])
+def test_argmax_kernel_breaks_ties_and_nans_as_torch_max(dtype, vocab):
+    assert argmax_kernel() is not None, "the C++ greedy kernel did not build"
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randint(-3, 3, (12, vocab), generator=gen).to(dtype)  # small integers: many ties
+    x[1] = float("-inf")
+    x[2, vocab // 2] = float("nan")  # a NaN wins, the first of them
+    x[3, -1] = float("nan")
+    x[4, 0] = float("nan")
+    x[5, vocab // 3 :] = float("nan")
+    x[6, -1] = 100.0  # the maximum in a row's tail
+    x[7] = 0.0
+    x[7, -1] = -0.0  # equal to 0.0: the first index
+    expected = x.max(dim=-1).indices
+    assert torch.equal(argmax_kernel().argmax_rows(x), expected)
+    assert torch.equal(greedy(x), expected)
+
+
+def test_greedy_batch_samples_bf16_logits_as_float32():
+    # the runner hands bf16 logits over as they are; a plain greedy batch takes their argmax, any other
+    # batch works on a float32 copy
+    logits = rand_logits(4, v=1000).bfloat16()
+    plain = batch_of(*[SamplingParams(temperature=0)] * 4, vocab_size=1000)
+    assert plain.plain_greedy
+    assert sample(logits, plain).token_ids == logits.float().argmax(-1).tolist()
+    with_logprobs = batch_of(*[SamplingParams(temperature=0, logprobs=2)] * 4, vocab_size=1000)
+    assert not with_logprobs.plain_greedy
+    out = sample(logits, with_logprobs)
+    assert out.token_ids == logits.float().argmax(-1).tolist()
+    assert out.sampled_logprobs[0] == pytest.approx(torch.log_softmax(logits.float()[0], -1).max().item())
 
 
 def test_input_logits_not_modified():

@@ -137,9 +137,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits for the rows that sample only: the lm_head is the largest matmul of a decode step."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """Logits for the rows that sample only: the lm_head is the largest matmul of a decode step. In
+        float32, or with upcast=False in the model's dtype (the sampler upcasts where it needs to)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if upcast else logits
 
     @classmethod
     def from_weights(

@@ -14,7 +14,7 @@ import torch
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import CacheConfig, ModelConfig
 from pagedllm.quantization.kv import QuantizedKVCache, resolve_kv_cache_dtype
-from pagedllm.worker.sampler import SamplingBatch, sample
+from pagedllm.worker.sampler import SamplingBatch, argmax_kernel, sample
 
 
 @dataclass
@@ -28,6 +28,7 @@ class SampledToken:
 class ModelRunner:
     def __init__(self, model, model_config: ModelConfig, cache_config: CacheConfig, dtype: torch.dtype):
         self.model = model
+        argmax_kernel()  # the greedy kernel, built (once a machine) now rather than in the first request's step
         self.config = model_config
         self.block_size = cache_config.block_size
         shape = (cache_config.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
@@ -106,7 +107,7 @@ class ModelRunner:
         hidden = self.model(ids, pos, self.kv_caches, meta)
         if not sampling_requests:
             return {}
-        logits = self.model.compute_logits(hidden[sample_rows])
+        logits = self.model.compute_logits(hidden[sample_rows], upcast=False)
         batch = SamplingBatch.from_requests(sampling_requests, logits.shape[-1])
         out = sample(logits, batch)
         result = {}
