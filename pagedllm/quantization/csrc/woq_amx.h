@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
@@ -81,26 +82,33 @@ inline void pair_up(const S* v, __m512& lo, __m512& hi) {
 }
 
 // One B tile: 16 pair rows x 16 columns of bf16 pairs, from the codes of one K-step of one n-subtile.
+// With float16 scales (GGUF's blocks) q * s is exact in float32 (at most 8 + 11 significant bits), so one
+// FMA rounds q * s + m exactly as the multiply and the add do: 10 instructions per 32 weights instead of
+// 13 with the 4-bit codes widened once and split into nibbles as 32-bit lanes.
 template <int BITS, typename S>
 inline void dequantize_tile(const uint8_t* codes, const S* scale, const S* min, __m512bh* tile) {
   __m512 s_lo, s_hi, m_lo, m_hi;
   pair_up(scale, s_lo, s_hi);
   pair_up(min, m_lo, m_hi);
   for (int p = 0; p < kTile; ++p) {
-    __m128i lo8, hi8;
+    __m512i q0, q1;  // e 0..15 and 16..31
     if constexpr (BITS == 4) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p * 16));
-      const __m128i mask = _mm_set1_epi8(0x0F);
-      lo8 = _mm_and_si128(v, mask);
-      hi8 = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p * 16)));
+      q0 = _mm512_and_si512(v, _mm512_set1_epi32(0x0F));
+      q1 = _mm512_srli_epi32(v, 4);
     } else {
-      lo8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p * 32));
-      hi8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p * 32 + 16));
+      q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p * 32)));
+      q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p * 32 + 16)));
     }
-    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo8));
-    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi8));
-    const __m512 w0 = _mm512_add_ps(_mm512_mul_ps(q0, s_lo), m_lo);
-    const __m512 w1 = _mm512_add_ps(_mm512_mul_ps(q1, s_hi), m_hi);
+    const __m512 f0 = _mm512_cvtepi32_ps(q0), f1 = _mm512_cvtepi32_ps(q1);
+    __m512 w0, w1;
+    if constexpr (std::is_same_v<S, at::Half>) {
+      w0 = _mm512_fmadd_ps(f0, s_lo, m_lo);
+      w1 = _mm512_fmadd_ps(f1, s_hi, m_hi);
+    } else {  // float32 scales: q * s rounds, then + m rounds again
+      w0 = _mm512_add_ps(_mm512_mul_ps(f0, s_lo), m_lo);
+      w1 = _mm512_add_ps(_mm512_mul_ps(f1, s_hi), m_hi);
+    }
     tile[p] = _mm512_cvtne2ps_pbh(w1, w0);  // e 0..15 from w0, 16..31 from w1, round to nearest even
   }
 }
