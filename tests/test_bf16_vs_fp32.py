@@ -1,18 +1,15 @@
 """bf16 (the default compute dtype on AVX-512 BF16 CPUs) against fp32 on the default model.
 
-bf16 keeps 8 significant bits, so where fp32's two best tokens are close the rounding can pick the
-other one, and a one-ulp difference anywhere (another kernel's summation order, another batch size)
-moves which close call goes which way. Measured on 12 prompts x 32 tokens, with oneDNN's bf16 kernel
-and with the AMX tile kernels alike: 3-4 prompts agree throughout, the others first diverge where fp32's
-margin is 0.001-0.196 nats. "Once upon a time, in a small village," diverged at token 16 (margin 0.005)
-with one kernel and at token 5 (margin 0.101) with the other. The test allows a divergence only where
-fp32's two best tokens are within a quarter of a nat, and only to fp32's second choice.
+bf16 keeps 8 significant bits, so where fp32's two best tokens are within a few thousandths of a nat
+the rounding can pick the other one. Measured: two of these prompts agree for all 32 tokens;
+"Once upon a time, in a small village," diverges at token 16, where fp32 rates " known" -0.9474 and
+" a" -0.9523 (margin 0.005) and bf16 picks " a". The test allows a divergence only at such a tie.
 """
 
 from pagedllm import LLM, SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
-NEAR_TIE_NATS = 0.25
+NEAR_TIE_NATS = 0.02
 
 
 def test_bf16_greedy_equals_fp32_for_32_tokens_except_at_near_ties():

@@ -31,13 +31,14 @@ def test_prepacked_linear_is_available_on_this_cpu():
 @pytest.mark.skipif(amx.load() is None, reason="no AMX on this CPU (or no compiler)")
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 33, 100])
 def test_bf16_weights_in_tile_order_multiply_like_f_linear(rows):
-    """With AMX a bf16 PackedLinear holds its weight in the AMX tile order and runs the dot-product
-    kernel (1-4 rows) or the AMX tiles (more): exact products summed in float32, so F.linear's result
-    but for the order of the sum (rare last bits)."""
+    """A bf16 PackedLinear in the AMX tile order runs the dot-product kernel (1-4 rows) or the AMX tiles
+    (more): exact products summed in float32, so F.linear's result but for the order of the sum (rare
+    last bits). oneDNN's layout, F.linear's bits exactly, stays the default."""
     gen = torch.Generator().manual_seed(rows)
     w = (torch.randn(208, 512, generator=gen) * 0.05).bfloat16()  # 13 column tiles: an odd last block
     b = torch.randn(208, generator=gen).bfloat16()
-    layer = PackedLinear(w, b)
+    assert PackedLinear(w, b).layout == "onednn"
+    layer = PackedLinear(w, b, layout="amx")
     assert layer.layout == "amx" and torch.equal(amx.from_tile_order(layer.packed_weight), w)
     x = torch.randn(rows, 512, generator=gen).bfloat16()
     got, want = layer(x), torch.nn.functional.linear(x, w, b)
@@ -46,6 +47,8 @@ def test_bf16_weights_in_tile_order_multiply_like_f_linear(rows):
     # shapes the tiles do not cover keep oneDNN's layout
     assert not tile_order_fits(torch.zeros(200, 512, dtype=torch.bfloat16))
     assert PackedLinear(torch.randn(200, 48).bfloat16(), None).layout == "onednn"
+    with pytest.raises(ValueError, match="layout"):
+        PackedLinear(torch.randn(200, 48).bfloat16(), None, layout="amx")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,7 +1,5 @@
 """The int8 / fp8 KV cache: codes with per-token, per-head scales inside the paged layout."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -71,20 +69,10 @@ def test_bytes_per_token_count_the_scales():
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
 
-# int8 codes move K and V by up to half a step: greedy tokens follow the bf16 cache's until a close call
-# (where bf16's two best tokens are within NEAR_TIE_NATS) goes the other way. Measured: one or two of
-# the three prompts agree for all 24 tokens, the others part at margins of 0.03-0.25 nats (which, and
-# where, moves with the linears' last bits: oneDNN's bf16 kernel and the AMX tile kernels differ there).
-NEAR_TIE_NATS = 0.3
-
-
 def test_engine_with_int8_kv_fits_more_blocks_and_matches_bf16():
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ref_llm = LLM(model="default", dtype="bf16", kv_cache_memory="64MiB", show_progress=False)
-    ref = [
-        o.outputs[0]
-        for o in ref_llm.generate(PROMPTS, dataclasses.replace(params, logprobs=2), use_tqdm=False)
-    ]
+    ref = [o.outputs[0].token_ids for o in ref_llm.generate(PROMPTS, params, use_tqdm=False)]
     assert ref_llm.llm_engine.cache_config.num_blocks == 64 * 2**20 // (16 * 23040)  # 182 bf16 blocks
     del ref_llm
     for kind, agree in (("int8", 24), ("fp8", 4)):
@@ -93,15 +81,7 @@ def test_engine_with_int8_kv_fits_more_blocks_and_matches_bf16():
         )
         assert llm.llm_engine.cache_config.num_blocks == 64 * 2**20 // (16 * 12240)  # 342 blocks: 1.88x
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        same = 0
         for r, g in zip(ref, got):
-            if g[:agree] == r.token_ids[:agree]:
-                same += 1
-                continue
-            assert kind == "int8", kind
-            i = next(i for i, (x, y) in enumerate(zip(r.token_ids, g)) if x != y)
-            top2 = sorted(r.logprobs[i].items(), key=lambda kv: -kv[1].logprob)[:2]
-            assert top2[0][1].logprob - top2[1][1].logprob < NEAR_TIE_NATS and g[i] == top2[1][0], (kind, i)
-        assert same >= 1, kind
+            assert g[:agree] == r[:agree], kind
         stats = llm.llm_engine.get_stats()
         assert stats.num_free_blocks == stats.num_blocks_total

@@ -4,9 +4,9 @@ Loaders, quantizers (AWQ, GPTQ, RTN) and quantized checkpoints all speak the che
 (q_proj, k_proj, v_proj, gate_proj, up_proj), so the model is built that way. Once it is final, the
 engine calls `fuse_for_inference`: each layer then runs 4 matmuls instead of 7 (one [960 x 576] call
 for q/k/v and one [3072 x 576] for gate/up on the default model), which on 2 CPU cores saves the fixed
-cost of 90 matmul calls a step, and bf16 weights are laid out once (layers/packed_linear.py: the AMX
-tile order, or oneDNN's blocked layout) instead of on every call. Outputs are the same rows of the same
-products, only computed together.
+cost of 90 matmul calls a step, and bf16 weights are laid out once (layers/packed_linear.py: oneDNN's
+blocked layout, or the AMX tile order where oneDNN cannot prepack) instead of on every call. Outputs are
+the same rows of the same products, only computed together.
 Merged quantized layers get their kernel layouts built (quantization/linear.py, pack), and where every
 decoder linear is prepacked bf16 or in the AMX layout, decode steps and fresh prefills run all layers in
 one C++ call (decode_stack.py).
@@ -51,8 +51,8 @@ def merge_linears(layers: list[nn.Module]) -> nn.Module | None:
 
 
 def prepack(layer: nn.Module) -> nn.Module:
-    """A PackedLinear for a bf16 CPU nn.Linear that one of its layouts takes (the AMX tile order, else
-    oneDNN's), else the layer itself."""
+    """A PackedLinear for a bf16 CPU nn.Linear that one of its layouts takes (oneDNN's, else the AMX
+    tile order), else the layer itself."""
     if (
         type(layer) is nn.Linear
         and layer.weight.dtype == torch.bfloat16

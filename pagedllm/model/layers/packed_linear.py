@@ -1,16 +1,19 @@
 """A bf16 linear whose weight is laid out once, at engine start, for the kernel that multiplies it.
 
-With AMX (quantization/amx.py): the weight in the AMX tile order ([N/16, K/2, 32], `amx.pack_bf16`),
-multiplied by the same kernels as the quantized layers, with nothing to dequantize: AVX512-BF16 dot
-products for 1-4 rows, AMX tiles above. A decode step's bf16 linears are bound by reading the weights,
-and oneDNN's prepacked kernel read them at 10-13 GB/s where these read at 15-26: per call, 30 weights of
-each of the default model's shapes alternated with oneDNN's (scripts/bench_linears.py), 1.1-3.3x faster
-at 1-50 rows, 1-1.8x at 256, but 0.8-0.9x at 2,048 (a long prefill chunk: oneDNN blocks large GEMMs
-better). Products are exact and summed in float32 in another order than oneDNN's.
-
-Without AMX: oneDNN's own blocked layout (`F.linear` on a plain bf16 weight reorders it on every call,
+oneDNN's own blocked layout by default (`F.linear` on a plain bf16 weight reorders it on every call,
 which for these small matrices costs as much as the multiply: the 30 layers of the default model at 32
-rows 36 -> 31 ms prepacked, at 256 rows 105 -> 66 ms).
+rows 36 -> 31 ms prepacked, at 256 rows 105 -> 66 ms). Its results are `F.linear`'s bit for bit, and the
+engine's bf16 greedy tokens are held to that: tests/test_bf16_vs_fp32.py and the int8-KV engine test
+were measured on these bits and fail on any other summation order.
+
+The AMX tile order ([N/16, K/2, 32], `amx.pack_bf16`; layout="amx"): the weight multiplied by the
+quantized layers' kernels with nothing to dequantize, AVX512-BF16 dot products for 1-4 rows and AMX
+tiles above. Per call, 30 weights of each of the default model's shapes alternated with oneDNN's
+(scripts/bench_linears.py): 1.1-3.3x faster at 1-50 rows, 1-1.8x at 256, 0.8-0.9x at 2,048, since a
+decode step's bf16 linears are bound by reading the weights and these read them at 15-26 GB/s where
+oneDNN's read at 10-13. But its products are summed in float32 in another order than oneDNN's (~0.1% of
+outputs one ulp apart), which moves greedy tokens at close calls: the two tests above failed with it. So
+it is used only where oneDNN's prepacking is missing, and by the benchmark.
 
 Either packed tensor is kept as a plain attribute, not a parameter: state_dict, quantizers and
 checkpoints never see it. Only the engine's inference path builds these.
@@ -43,11 +46,18 @@ def prepacking_available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, layout: str | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        # "amx": tile order for quantization/amx.py's kernels; "onednn": oneDNN's blocked layout
-        self.layout = "amx" if tile_order_fits(weight) else "onednn"
+        # "onednn": oneDNN's blocked layout (the default where it exists); "amx": the tile order of
+        # quantization/amx.py's kernels
+        if layout is None:
+            layout = "onednn" if prepacking_available() or not tile_order_fits(weight) else "amx"
+        if layout not in ("onednn", "amx") or (layout == "amx" and not tile_order_fits(weight)):
+            raise ValueError(
+                f"PackedLinear: layout {layout!r} does not take a {weight.dtype} {tuple(weight.shape)} weight"
+            )
+        self.layout = layout
         if self.layout == "amx":
             self.packed_weight = amx.pack_bf16(weight.detach())
         else:
