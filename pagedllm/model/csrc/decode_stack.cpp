@@ -7,6 +7,8 @@
 // layer. Here each layer is the same calls made from C++: the same functions the Python path binds
 // (layer_ops.h, paged_decode.h, woq_gemv.h, woq_amx.h) and the same ATen / oneDNN ops, on the same
 // tensors in the same order, so the result is the Python path's bit for bit, without its per-call cost.
+// Decode steps of 1-4 sequences on AMX-layout linears go one step further (small_decode): raw pointers
+// into buffers made once a step, no tensors per call.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/utils/pybind.h>
@@ -44,6 +46,24 @@ struct Linear {
   at::Tensor operator()(const at::Tensor& x) const {
     if (bits == 0) return packed_bf16_linear(x, packed, bias);
     return woq::linear_tensor(x, codes, scales, mins, bias, bits, group_size, out_features);
+  }
+
+  // The same as operator() for 1-4 rows of an AMX-layout linear (bits 4, 8, 16), written into out [M, N]:
+  // woq::gemv_tensor's kernel and split, without its tensors.
+  void gemv_into(const at::BFloat16* x, int64_t M, int64_t K, at::BFloat16* out) const {
+    const int64_t N = out_features;
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(K * 16 * bits / 8, 1));
+    const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
+    const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    auto run = [&](const auto* sc, const auto* mn) {
+      at::parallel_for(0, N / woq::kTile, grain, [&](int64_t begin, int64_t end) {
+        woq::gemv(M, bits, x, K, c, sc, mn, b, group_size, N, out, begin, end);
+      });
+    };
+    if (scales.scalar_type() == at::kHalf)
+      run(scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>());
+    else
+      run(scales.data_ptr<float>(), mins.data_ptr<float>());
   }
 };
 
@@ -88,6 +108,8 @@ class DecodeStack {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "decode_stack: one KV cache per layer");
     const int64_t B = x.size(0), H = num_heads_, KVH = num_kv_heads_, D = head_dim_;
     if (layers_.empty()) return x;
+    if (!prefill && small_decode_applies(x, kv_caches, block_tables, seq_lens, slot_mapping))
+      return small_decode(x, cos, sin, kv_caches, block_tables, seq_lens, slot_mapping);
     // h: the layer's normed input. Each layer's last residual add is fused into the next layer's input
     // norm (add_rms_norm rounds the sum to the dtype first, as x + mlp then rms_norm(x) does).
     at::Tensor h = layer_ops::rms_norm(x, layers_[0].input_norm, eps_);
@@ -115,6 +137,111 @@ class DecodeStack {
   }
 
  private:
+  // A decode step of 1-4 sequences is bound by streaming the weights, and the ~25 tensors a layer's calls
+  // make (views, outputs, checks) cost ~10 us a layer on top: a tenth of a single-stream step. Here the
+  // same kernels run on raw pointers into buffers made once a step: woq::gemv with gemv_tensor's split,
+  // layer_ops' row functions, paged_decode's bf16 tasks with its split, write_kv's copies, and ATen's
+  // silu as silu_mul calls it. So the result is the general path's bit for bit (tests/test_decode_stack.py).
+  bool small_decode_applies(const at::Tensor& x, const std::vector<at::Tensor>& kv_caches,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            const at::Tensor& slot_mapping) const {
+#ifdef PAGEDLLM_DECODE_BF16
+    const int64_t B = x.size(0);
+    if (B > woq::kGemvMaxRows || x.scalar_type() != at::kBFloat16 || !x.is_contiguous()) return false;
+    if (!paged::decode_tasks_bf16_for(head_dim_, num_heads_ / num_kv_heads_)) return false;
+    if (block_tables.scalar_type() != at::kLong || !block_tables.is_contiguous() ||
+        seq_lens.scalar_type() != at::kLong || !seq_lens.is_contiguous() ||
+        slot_mapping.scalar_type() != at::kLong || !slot_mapping.is_contiguous())
+      return false;
+    for (const Layer& layer : layers_)
+      for (const Linear* lin : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
+        if (lin->bits == 0) return false;
+    for (const at::Tensor& cache : kv_caches)
+      if (cache.scalar_type() != at::kBFloat16 || !cache.is_contiguous()) return false;
+    return true;
+#else
+    (void)x, (void)kv_caches, (void)block_tables, (void)seq_lens, (void)slot_mapping;
+    return false;
+#endif
+  }
+
+#ifdef PAGEDLLM_DECODE_BF16
+  at::Tensor small_decode(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                          const std::vector<at::Tensor>& kv_caches, const at::Tensor& block_tables,
+                          const at::Tensor& seq_lens, const at::Tensor& slot_mapping) const {
+    using bf16 = at::BFloat16;
+    const int64_t B = x_in.size(0), d = x_in.size(1), H = num_heads_, KVH = num_kv_heads_, D = head_dim_;
+    const int64_t W = (H + 2 * KVH) * D;  // the qkv projection's width
+    const int64_t F = layers_[0].gate_up.out_features / 2;
+    const float eps = float(eps_);
+    const at::Tensor cos = cos_in.reshape({B, D}).contiguous(), sin = sin_in.reshape({B, D}).contiguous();
+    // every buffer of the step: two residual streams taking turns, the normed input, and one per product
+    auto buf = [&](int64_t width) { return at::empty({B, width}, x_in.options()); };
+    at::Tensor x = x_in.contiguous().clone(), x_next = buf(d), h = buf(d), qkv = buf(W), attn = buf(H * D),
+               o = buf(d), gate_up = buf(2 * F), mlp = buf(d);
+    std::vector<float> scratch(std::max(d, 2 * F));
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    const int64_t* lens = seq_lens.data_ptr<int64_t>();
+    const int64_t* tables = block_tables.data_ptr<int64_t>();
+    const auto tasks = paged::decode_tasks_bf16_for(D, H / KVH);
+    auto norm_rows = [&](const bf16* in, const at::Tensor& weight, bf16* out) {
+      for (int64_t r = 0; r < B; ++r)
+        layer_ops::rms_norm_row(in + r * d, weight.data_ptr<bf16>(), out + r * d, scratch.data(), d, eps);
+    };
+    // out = a + b, then h = norm(out), per row (add_rms_norm)
+    auto add_norm_rows = [&](const bf16* a, const bf16* b, const at::Tensor& weight, bf16* out) {
+      for (int64_t r = 0; r < B; ++r) {
+        layer_ops::combine_row(a + r * d, b + r * d, out + r * d, d, std::plus<>());
+        layer_ops::rms_norm_row(out + r * d, weight.data_ptr<bf16>(), h.data_ptr<bf16>() + r * d, scratch.data(), d,
+                                eps);
+      }
+    };
+    norm_rows(x.data_ptr<bf16>(), layers_[0].input_norm, h.data_ptr<bf16>());
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& layer = layers_[l];
+      layer.qkv.gemv_into(h.data_ptr<bf16>(), B, d, qkv.data_ptr<bf16>());
+      layer_ops::rotary_rows(qkv.data_ptr<bf16>(), cos.data_ptr<bf16>(), sin.data_ptr<bf16>(), B, H + KVH, D, W, D);
+      // write_kv: this token's K and V rows into its cache slot
+      const at::Tensor& cache = kv_caches[l];
+      const int64_t NB = cache.size(1), BS = cache.size(2);
+      bf16* kc = cache.data_ptr<bf16>();
+      bf16* vc = kc + NB * BS * KVH * D;
+      for (int64_t t = 0; t < B; ++t) {
+        TORCH_CHECK(slots[t] >= 0 && slots[t] < NB * BS, "decode_stack: slot out of range");
+        const bf16* row = qkv.data_ptr<bf16>() + t * W;
+        for (int64_t kh = 0; kh < KVH; ++kh) {
+          std::copy_n(row + (H + kh) * D, D, kc + (slots[t] * KVH + kh) * D);
+          std::copy_n(row + (H + KVH + kh) * D, D, vc + (slots[t] * KVH + kh) * D);
+        }
+      }
+      paged::for_balanced_tasks(lens, B, KVH, [&](int64_t begin, int64_t end) {
+        tasks(qkv.data_ptr<bf16>(), W, kc, vc, tables, lens, attn.data_ptr<bf16>(), H, KVH, BS, block_tables.size(1),
+              float(scale_), begin, end);
+      });
+      layer.o.gemv_into(attn.data_ptr<bf16>(), B, H * D, o.data_ptr<bf16>());
+      add_norm_rows(o.data_ptr<bf16>(), x.data_ptr<bf16>(), layer.post_attention_norm, x_next.data_ptr<bf16>());
+      std::swap(x, x_next);
+      layer.gate_up.gemv_into(h.data_ptr<bf16>(), B, d, gate_up.data_ptr<bf16>());
+      const at::Tensor act = layer_ops::silu_mul(gate_up);
+      layer.down.gemv_into(act.data_ptr<bf16>(), B, F, mlp.data_ptr<bf16>());
+      if (l + 1 == layers_.size()) {
+        for (int64_t r = 0; r < B; ++r)
+          layer_ops::combine_row(mlp.data_ptr<bf16>() + r * d, x.data_ptr<bf16>() + r * d,
+                                 x_next.data_ptr<bf16>() + r * d, d, std::plus<>());
+        return x_next;
+      }
+      add_norm_rows(mlp.data_ptr<bf16>(), x.data_ptr<bf16>(), layers_[l + 1].input_norm, x_next.data_ptr<bf16>());
+      std::swap(x, x_next);
+    }
+    return x;
+  }
+#else
+  at::Tensor small_decode(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const std::vector<at::Tensor>&,
+                          const at::Tensor&, const at::Tensor&, const at::Tensor&) const {
+    return x;  // never called: small_decode_applies is false without the bf16 tasks
+  }
+#endif
+
   // causal attention of one prompt over its own K/V [T, heads, D], in SDPA's [1, heads, T, D] layout
   at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
     auto sdpa_layout = [](const at::Tensor& t) { return t.transpose(0, 1).unsqueeze(0); };
