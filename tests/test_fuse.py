@@ -11,8 +11,7 @@ from tiny_models import save_tiny_qwen2
 
 from pagedllm.model.build import build_model
 from pagedllm.model.fuse import fuse_for_inference
-from pagedllm.model.layers.packed_linear import PackedLinear, prepacking_available, tile_order_fits
-from pagedllm.quantization import amx
+from pagedllm.model.layers.packed_linear import PackedLinear, prepacking_available
 from pagedllm.quantization.linear import QuantLinear
 from pagedllm.quantization.model import resident_weight_bytes
 from pagedllm.quantization.rtn import rtn_quantize_weight
@@ -26,29 +25,6 @@ def qwen2_path(tmp_path_factory):
 
 def test_prepacked_linear_is_available_on_this_cpu():
     assert prepacking_available(), "oneDNN prepacked linear missing: bf16 decode loses its fast path"
-
-
-@pytest.mark.skipif(amx.load() is None, reason="no AMX on this CPU (or no compiler)")
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 33, 100])
-def test_bf16_weights_in_tile_order_multiply_like_f_linear(rows):
-    """A bf16 PackedLinear in the AMX tile order runs the dot-product kernel (1-4 rows) or the AMX tiles
-    (more): exact products summed in float32, so F.linear's result but for the order of the sum (rare
-    last bits). oneDNN's layout, F.linear's bits exactly, stays the default."""
-    gen = torch.Generator().manual_seed(rows)
-    w = (torch.randn(208, 512, generator=gen) * 0.05).bfloat16()  # 13 column tiles: an odd last block
-    b = torch.randn(208, generator=gen).bfloat16()
-    assert PackedLinear(w, b).layout == "onednn"
-    layer = PackedLinear(w, b, layout="amx")
-    assert layer.layout == "amx" and torch.equal(amx.from_tile_order(layer.packed_weight), w)
-    x = torch.randn(rows, 512, generator=gen).bfloat16()
-    got, want = layer(x), torch.nn.functional.linear(x, w, b)
-    assert (got == want).float().mean() > 0.99
-    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
-    # shapes the tiles do not cover keep oneDNN's layout
-    assert not tile_order_fits(torch.zeros(200, 512, dtype=torch.bfloat16))
-    assert PackedLinear(torch.randn(200, 48).bfloat16(), None).layout == "onednn"
-    with pytest.raises(ValueError, match="layout"):
-        PackedLinear(torch.randn(200, 48).bfloat16(), None, layout="amx")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

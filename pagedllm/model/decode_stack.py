@@ -31,13 +31,10 @@ def load():
 
 
 def _linear_parts(layer) -> tuple[list[torch.Tensor], list[int]] | None:
-    """What the C++ Linear holds (csrc/decode_stack.cpp): bits 0 marks a bf16 weight prepacked for oneDNN,
-    16 one in the AMX tile order."""
+    """What the C++ Linear holds (csrc/decode_stack.cpp): bits 0 marks a prepacked bf16 weight."""
     empty = torch.empty(0)
     if isinstance(layer, PackedLinear):
         bias = layer.bias if layer.bias is not None else empty
-        if layer.layout == "amx":  # bf16 weights in the AMX kernels' tile order: bits 16
-            return [layer.packed_weight, empty, empty, bias], [16, layer.in_features, layer.out_features]
         return [layer.packed_weight, empty, empty, bias], [0, 0, layer.out_features]
     if not isinstance(layer, QuantLinear) or not layer._amx:
         return None

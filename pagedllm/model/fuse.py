@@ -1,12 +1,11 @@
-"""The inference layout of a loaded model: q/k/v and gate/up merged, bf16 weights prepacked once.
+"""The inference layout of a loaded model: q/k/v and gate/up merged, bf16 weights prepacked for oneDNN.
 
 Loaders, quantizers (AWQ, GPTQ, RTN) and quantized checkpoints all speak the checkpoint's names
 (q_proj, k_proj, v_proj, gate_proj, up_proj), so the model is built that way. Once it is final, the
 engine calls `fuse_for_inference`: each layer then runs 4 matmuls instead of 7 (one [960 x 576] call
 for q/k/v and one [3072 x 576] for gate/up on the default model), which on 2 CPU cores saves the fixed
-cost of 90 matmul calls a step, and bf16 weights are laid out once (layers/packed_linear.py: oneDNN's
-blocked layout, or the AMX tile order where oneDNN cannot prepack) instead of on every call. Outputs are
-the same rows of the same products, only computed together.
+cost of 90 oneDNN calls a step, and bf16 weights are reordered once (layers/packed_linear.py) instead
+of on every call. Outputs are the same rows of the same products, only computed together.
 Merged quantized layers get their kernel layouts built (quantization/linear.py, pack), and where every
 decoder linear is prepacked bf16 or in the AMX layout, decode steps and fresh prefills run all layers in
 one C++ call (decode_stack.py).
@@ -20,7 +19,7 @@ import torch
 from torch import nn
 
 from pagedllm.model.decode_stack import build_decode_stack
-from pagedllm.model.layers.packed_linear import PackedLinear, prepacking_available, tile_order_fits
+from pagedllm.model.layers.packed_linear import PackedLinear, prepacking_available
 from pagedllm.quantization.linear import QuantLinear
 
 logger = logging.getLogger(__name__)
@@ -51,13 +50,10 @@ def merge_linears(layers: list[nn.Module]) -> nn.Module | None:
 
 
 def prepack(layer: nn.Module) -> nn.Module:
-    """A PackedLinear for a bf16 CPU nn.Linear that one of its layouts takes (oneDNN's, else the AMX
-    tile order), else the layer itself."""
     if (
         type(layer) is nn.Linear
         and layer.weight.dtype == torch.bfloat16
         and layer.weight.device.type == "cpu"
-        and (tile_order_fits(layer.weight) or prepacking_available())
     ):
         return PackedLinear(layer.weight, layer.bias)
     return layer
@@ -65,6 +61,7 @@ def prepack(layer: nn.Module) -> nn.Module:
 
 def fuse_for_inference(model: nn.Module) -> None:
     """Merge and prepack in place (idempotent). After it the model serves; it no longer quantizes."""
+    pack = prepacking_available()
     merged = 0
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -80,17 +77,19 @@ def fuse_for_inference(model: nn.Module) -> None:
                 mlp.gate_up_proj = gate_up
                 del mlp.gate_proj, mlp.up_proj
                 merged += 1
-        for parent, names in (
-            (attn, ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj")),
-            (mlp, ("gate_up_proj", "gate_proj", "up_proj", "down_proj")),
-        ):
-            for name in names:
-                child = getattr(parent, name, None)
-                if child is not None:
-                    setattr(parent, name, prepack(child))
-    # the largest matmul of a decode step. A tied lm_head gets its own packed copy of the embedding
-    # (+56 MB on the default model, counted by resident_weight_bytes): 17 -> 12 ms at 32 rows, 1 thread
-    model.lm_head = prepack(model.lm_head)
+        if pack:
+            for parent, names in (
+                (attn, ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj")),
+                (mlp, ("gate_up_proj", "gate_proj", "up_proj", "down_proj")),
+            ):
+                for name in names:
+                    child = getattr(parent, name, None)
+                    if child is not None:
+                        setattr(parent, name, prepack(child))
+    if pack:
+        # the largest matmul of a decode step. A tied lm_head gets its own packed copy of the embedding
+        # (+56 MB on the default model, counted by resident_weight_bytes): 17 -> 12 ms at 32 rows, 1 thread
+        model.lm_head = prepack(model.lm_head)
     # merged quantized layers: build their kernel layouts now, so resident bytes are right from the start
     if model.model.embed_tokens.weight.dtype == torch.bfloat16:
         for module in model.modules():
@@ -98,8 +97,8 @@ def fuse_for_inference(model: nn.Module) -> None:
                 module.pack()
     model.decode_stack = build_decode_stack(model)
     logger.debug(
-        "fused %d projection groups; bf16 linears prepacked: %d; C++ decode stack: %s",
+        "fused %d projection groups; bf16 weights prepacked: %s; C++ decode stack: %s",
         merged,
-        sum(isinstance(m, PackedLinear) for m in model.modules()),
+        pack,
         model.decode_stack is not None,
     )

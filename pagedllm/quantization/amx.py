@@ -42,11 +42,6 @@ def tile_order(w: torch.Tensor) -> torch.Tensor:
     return w.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32)
 
 
-def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight [N, K] (N a multiple of 16, K of 32) in the kernels' tile order, for linear_bf16."""
-    return tile_order(weight.to(torch.bfloat16)).contiguous()
-
-
 def from_tile_order(t: torch.Tensor) -> torch.Tensor:
     """tile_order's inverse: [N/16, K/2, 32] -> [N, K]."""
     n16, k2 = t.shape[:2]

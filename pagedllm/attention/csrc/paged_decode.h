@@ -125,6 +125,22 @@ void for_balanced_tasks(const int64_t* lens, int64_t B, int64_t KVH, const F& fn
   });
 }
 
+#ifdef PAGEDLLM_DECODE_BF16
+// The bf16 tasks over all B * KVH (sequence, KV head) pairs, on raw pointers (paged_decode below and
+// model/csrc/decode_stack.cpp's small steps): q rows q_stride apart, out [B, H, D]. False where no
+// instantiation takes this head_dim and group (the generic tasks then run).
+inline bool decode_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k_cache,
+                        const c10::BFloat16* v_cache, const int64_t* tables, int64_t max_blocks, const int64_t* lens,
+                        int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale, c10::BFloat16* out) {
+  const auto kernel = decode_tasks_bf16_for(D, H / KVH);
+  if (!kernel) return false;
+  for_balanced_tasks(lens, B, KVH, [&](int64_t begin, int64_t end) {
+    kernel(q, q_stride, k_cache, v_cache, tables, lens, out, H, KVH, BS, max_blocks, scale, begin, end);
+  });
+  return true;
+}
+#endif
+
 // q [B, H, D] (each sequence's [H, D] contiguous, rows may be strided); kv_cache [2, num_blocks,
 // block_size, KVH, D]; block_tables [B, max_blocks] int64; seq_lens [B] int64. Returns [B, H, D] in q's dtype.
 inline at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables, at::Tensor seq_lens,
@@ -153,22 +169,32 @@ inline at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor blo
 #ifdef PAGEDLLM_DECODE_BF16
     // (the casts only keep the other dtypes' instantiations compiling: this branch runs for bf16)
     using bf16 = c10::BFloat16;
-    if (auto kernel = decode_tasks_bf16_for(D, H / KVH); kernel && std::is_same_v<scalar_t, bf16>) {
-      const bf16* k_base = reinterpret_cast<const bf16*>(base);
-      for_balanced_tasks(lens, B, KVH, [&](int64_t begin, int64_t end) {
-        kernel(reinterpret_cast<const bf16*>(q.data_ptr<scalar_t>()), q.stride(0), k_base,
-               k_base + NB * BS * KVH * D, block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
-               reinterpret_cast<bf16*>(out.data_ptr<scalar_t>()), H, KVH, BS, block_tables.size(1), (float)scale,
-               begin, end);
-      });
+    const bf16* k_base = reinterpret_cast<const bf16*>(base);
+    if (std::is_same_v<scalar_t, bf16> &&
+        decode_bf16(reinterpret_cast<const bf16*>(q.data_ptr<scalar_t>()), q.stride(0), k_base,
+                    k_base + NB * BS * KVH * D, block_tables.data_ptr<int64_t>(), block_tables.size(1), lens, B, H,
+                    KVH, D, BS, (float)scale, reinterpret_cast<bf16*>(out.data_ptr<scalar_t>())))
       return;
-    }
 #endif
     if (D == 64) run(decode_tasks<scalar_t, 64>);
     else if (D == 128) run(decode_tasks<scalar_t, 128>);
     else run(decode_tasks<scalar_t, 0>);
   });
   return out;
+}
+
+// The copies of write_kv: token t's K head h at k + t * row_stride + h * head_stride (V likewise) into
+// the K / V caches at slot slots[t], after checking every slot lies in the cache's num_slots.
+template <typename scalar_t>
+void write_kv_rows(const scalar_t* k, const scalar_t* v, int64_t k_row, int64_t v_row, int64_t head_stride_k,
+                   int64_t head_stride_v, scalar_t* k_cache, scalar_t* v_cache, const int64_t* slots, int64_t T,
+                   int64_t KVH, int64_t D, int64_t num_slots) {
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv: slot out of range");
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < KVH; ++h) {
+      std::copy_n(k + t * k_row + h * head_stride_k, D, k_cache + (slots[t] * KVH + h) * D);
+      std::copy_n(v + t * v_row + h * head_stride_v, D, v_cache + (slots[t] * KVH + h) * D);
+    }
 }
 
 // New tokens' K and V [T, KVH, D] (any strides with unit last) into the cache at slot_mapping [T]: one
@@ -183,18 +209,10 @@ inline void write_kv(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tensor
   const int64_t NB = kv_cache.size(1), BS = kv_cache.size(2);
   TORCH_CHECK(kv_cache.size(3) == KVH && kv_cache.size(4) == D, "write_kv: cache is not [2, blocks, bs, KVH, D]");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int64_t num_slots = NB * BS;
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "write_kv: slot out of range");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
     scalar_t* kc = kv_cache.data_ptr<scalar_t>();
-    scalar_t* vc = kc + num_slots * KVH * D;
-    const scalar_t* kp = k.data_ptr<scalar_t>();
-    const scalar_t* vp = v.data_ptr<scalar_t>();
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t h = 0; h < KVH; ++h) {
-        std::copy_n(kp + t * k.stride(0) + h * k.stride(1), D, kc + (slots[t] * KVH + h) * D);
-        std::copy_n(vp + t * v.stride(0) + h * v.stride(1), D, vc + (slots[t] * KVH + h) * D);
-      }
+    write_kv_rows(k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), k.stride(0), v.stride(0), k.stride(1), v.stride(1),
+                  kc, kc + NB * BS * KVH * D, slots, T, KVH, D, NB * BS);
   });
 }
 

@@ -34,36 +34,24 @@ at::Tensor packed_bf16_linear(const at::Tensor& x, const at::Tensor& packed, con
   return stack.back().toTensor();
 }
 
-// One linear of a layer: quantized in the AMX layout (codes, scales, mins; a float32 bias or none), with
-// bits == 16 bf16 weights in the same tile order (codes; scales and mins empty), or, with bits == 0, a
-// bf16 weight prepacked for oneDNN (packed; a bf16 bias or none).
+// One linear of a layer: quantized in the AMX layout (codes, scales, mins; a float32 bias or none), or,
+// with bits == 0, a bf16 weight prepacked for oneDNN (packed; a bf16 bias or none).
 struct Linear {
   at::Tensor codes, scales, mins, bias, packed;
   int64_t bits, group_size, out_features;
 
-  // the kernel the Python layer picks: QuantLinear.path() and PackedLinear in the tile order (dot
-  // products for a few rows, AMX tiles above), or PackedLinear's oneDNN call
+  // the kernel the Python layer picks: QuantLinear.path() (dot products for a few rows, AMX tiles above),
+  // or PackedLinear's oneDNN call
   at::Tensor operator()(const at::Tensor& x) const {
     if (bits == 0) return packed_bf16_linear(x, packed, bias);
     return woq::linear_tensor(x, codes, scales, mins, bias, bits, group_size, out_features);
   }
 
-  // The same as operator() for 1-4 rows of an AMX-layout linear (bits 4, 8, 16), written into out [M, N]:
+  // The same as operator() for 1-4 rows of an AMX-layout linear (bits 4, 8), written into out [M, N]:
   // woq::gemv_tensor's kernel and split, without its tensors.
   void gemv_into(const at::BFloat16* x, int64_t M, int64_t K, at::BFloat16* out) const {
-    const int64_t N = out_features;
-    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(K * 16 * bits / 8, 1));
-    const auto* c = static_cast<const uint8_t*>(codes.data_ptr());
-    const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
-    auto run = [&](const auto* sc, const auto* mn) {
-      at::parallel_for(0, N / woq::kTile, grain, [&](int64_t begin, int64_t end) {
-        woq::gemv(M, bits, x, K, c, sc, mn, b, group_size, N, out, begin, end);
-      });
-    };
-    if (scales.scalar_type() == at::kHalf)
-      run(scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>());
-    else
-      run(scales.data_ptr<float>(), mins.data_ptr<float>());
+    woq::gemv_into(M, bits, x, K, codes, scales, mins, bias.defined() ? bias.data_ptr<float>() : nullptr,
+                   group_size, out_features, out);
   }
 };
 
@@ -96,6 +84,13 @@ class DecodeStack {
       };
       layers_.push_back(Layer{t[0], t[1], linear(0), linear(1), linear(2), linear(3)});
     }
+#ifdef PAGEDLLM_DECODE_BF16
+    // small_decode's kernels: every linear in the AMX layout, and bf16 attention tasks for these heads
+    small_decode_layers_ = !layers_.empty() && paged::decode_tasks_bf16_for(head_dim, num_heads / num_kv_heads);
+    for (const Layer& layer : layers_)
+      for (const Linear* lin : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
+        small_decode_layers_ = small_decode_layers_ && lin->bits != 0;
+#endif
   }
 
   // x [T, hidden] bf16 (the embeddings); cos / sin as rotary.cos_sin gives them; one cache per layer.
@@ -108,8 +103,10 @@ class DecodeStack {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "decode_stack: one KV cache per layer");
     const int64_t B = x.size(0), H = num_heads_, KVH = num_kv_heads_, D = head_dim_;
     if (layers_.empty()) return x;
+#ifdef PAGEDLLM_DECODE_BF16
     if (!prefill && small_decode_applies(x, kv_caches, block_tables, seq_lens, slot_mapping))
       return small_decode(x, cos, sin, kv_caches, block_tables, seq_lens, slot_mapping);
+#endif
     // h: the layer's normed input. Each layer's last residual add is fused into the next layer's input
     // norm (add_rms_norm rounds the sum to the dtype first, as x + mlp then rms_norm(x) does).
     at::Tensor h = layer_ops::rms_norm(x, layers_[0].input_norm, eps_);
@@ -142,30 +139,19 @@ class DecodeStack {
   // same kernels run on raw pointers into buffers made once a step: woq::gemv with gemv_tensor's split,
   // layer_ops' row functions, paged_decode's bf16 tasks with its split, write_kv's copies, and ATen's
   // silu as silu_mul calls it. So the result is the general path's bit for bit (tests/test_decode_stack.py).
+#ifdef PAGEDLLM_DECODE_BF16
   bool small_decode_applies(const at::Tensor& x, const std::vector<at::Tensor>& kv_caches,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             const at::Tensor& slot_mapping) const {
-#ifdef PAGEDLLM_DECODE_BF16
-    const int64_t B = x.size(0);
-    if (B > woq::kGemvMaxRows || x.scalar_type() != at::kBFloat16 || !x.is_contiguous()) return false;
-    if (!paged::decode_tasks_bf16_for(head_dim_, num_heads_ / num_kv_heads_)) return false;
-    if (block_tables.scalar_type() != at::kLong || !block_tables.is_contiguous() ||
-        seq_lens.scalar_type() != at::kLong || !seq_lens.is_contiguous() ||
-        slot_mapping.scalar_type() != at::kLong || !slot_mapping.is_contiguous())
-      return false;
-    for (const Layer& layer : layers_)
-      for (const Linear* lin : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
-        if (lin->bits == 0) return false;
+    if (!small_decode_layers_ || x.size(0) > woq::kGemvMaxRows) return false;
+    if (x.scalar_type() != at::kBFloat16 || !x.is_contiguous()) return false;
+    for (const at::Tensor* t : {&block_tables, &seq_lens, &slot_mapping})
+      if (t->scalar_type() != at::kLong || !t->is_contiguous()) return false;
     for (const at::Tensor& cache : kv_caches)
       if (cache.scalar_type() != at::kBFloat16 || !cache.is_contiguous()) return false;
     return true;
-#else
-    (void)x, (void)kv_caches, (void)block_tables, (void)seq_lens, (void)slot_mapping;
-    return false;
-#endif
   }
 
-#ifdef PAGEDLLM_DECODE_BF16
   at::Tensor small_decode(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
                           const std::vector<at::Tensor>& kv_caches, const at::Tensor& block_tables,
                           const at::Tensor& seq_lens, const at::Tensor& slot_mapping) const {
@@ -183,7 +169,6 @@ class DecodeStack {
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     const int64_t* lens = seq_lens.data_ptr<int64_t>();
     const int64_t* tables = block_tables.data_ptr<int64_t>();
-    const auto tasks = paged::decode_tasks_bf16_for(D, H / KVH);
     auto norm_rows = [&](const bf16* in, const at::Tensor& weight, bf16* out) {
       for (int64_t r = 0; r < B; ++r)
         layer_ops::rms_norm_row(in + r * d, weight.data_ptr<bf16>(), out + r * d, scratch.data(), d, eps);
@@ -201,23 +186,14 @@ class DecodeStack {
       const Layer& layer = layers_[l];
       layer.qkv.gemv_into(h.data_ptr<bf16>(), B, d, qkv.data_ptr<bf16>());
       layer_ops::rotary_rows(qkv.data_ptr<bf16>(), cos.data_ptr<bf16>(), sin.data_ptr<bf16>(), B, H + KVH, D, W, D);
-      // write_kv: this token's K and V rows into its cache slot
       const at::Tensor& cache = kv_caches[l];
       const int64_t NB = cache.size(1), BS = cache.size(2);
       bf16* kc = cache.data_ptr<bf16>();
       bf16* vc = kc + NB * BS * KVH * D;
-      for (int64_t t = 0; t < B; ++t) {
-        TORCH_CHECK(slots[t] >= 0 && slots[t] < NB * BS, "decode_stack: slot out of range");
-        const bf16* row = qkv.data_ptr<bf16>() + t * W;
-        for (int64_t kh = 0; kh < KVH; ++kh) {
-          std::copy_n(row + (H + kh) * D, D, kc + (slots[t] * KVH + kh) * D);
-          std::copy_n(row + (H + KVH + kh) * D, D, vc + (slots[t] * KVH + kh) * D);
-        }
-      }
-      paged::for_balanced_tasks(lens, B, KVH, [&](int64_t begin, int64_t end) {
-        tasks(qkv.data_ptr<bf16>(), W, kc, vc, tables, lens, attn.data_ptr<bf16>(), H, KVH, BS, block_tables.size(1),
-              float(scale_), begin, end);
-      });
+      const bf16* k = qkv.data_ptr<bf16>() + H * D;
+      paged::write_kv_rows(k, k + KVH * D, W, W, D, D, kc, vc, slots, B, KVH, D, NB * BS);
+      paged::decode_bf16(qkv.data_ptr<bf16>(), W, kc, vc, tables, block_tables.size(1), lens, B, H, KVH, D, BS,
+                         float(scale_), attn.data_ptr<bf16>());
       layer.o.gemv_into(attn.data_ptr<bf16>(), B, H * D, o.data_ptr<bf16>());
       add_norm_rows(o.data_ptr<bf16>(), x.data_ptr<bf16>(), layer.post_attention_norm, x_next.data_ptr<bf16>());
       std::swap(x, x_next);
@@ -235,11 +211,6 @@ class DecodeStack {
     }
     return x;
   }
-#else
-  at::Tensor small_decode(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const std::vector<at::Tensor>&,
-                          const at::Tensor&, const at::Tensor&, const at::Tensor&) const {
-    return x;  // never called: small_decode_applies is false without the bf16 tasks
-  }
 #endif
 
   // causal attention of one prompt over its own K/V [T, heads, D], in SDPA's [1, heads, T, D] layout
@@ -251,6 +222,7 @@ class DecodeStack {
   }
 
   std::vector<Layer> layers_;
+  bool small_decode_layers_ = false;  // whether small_decode can run these layers (set once, above)
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
 };

@@ -63,24 +63,8 @@ at::Tensor gemv(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor mi
   return woq::gemv_tensor(x, codes, scales, mins, b, bits, group_size, out_features);
 }
 
-// x [M, K] bf16 times bf16 weights in the same tile order ([N/16, K/2, 32], amx.pack_bf16); bias bf16 or
-// None. 1-4 rows take the dot-product kernel, more the AMX tiles. Returns bf16 [M, N].
-at::Tensor linear_bf16(at::Tensor x, at::Tensor weights, c10::optional<at::Tensor> bias) {
-  TORCH_CHECK(available(), "woq_amx: AMX is not available on this CPU");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "woq_amx: x must be [M, K] bf16");
-  TORCH_CHECK(weights.dim() == 3 && weights.scalar_type() == at::kBFloat16 && weights.size(2) == 32 &&
-                  weights.size(1) * 2 == x.size(1) && x.size(1) % kKStep == 0 && weights.is_contiguous(),
-              "woq_amx: weights must be [N/16, K/2, 32] bf16 for x [M, K], K a multiple of 32");
-  const int64_t N = weights.size(0) * kTile, K = x.size(1);
-  at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  TORCH_CHECK(!b.defined() || b.numel() == N, "woq_amx: bias must have the weights' N values");
-  const at::Tensor none = at::empty({0}, x.options().dtype(at::kFloat));
-  return woq::linear_tensor(x, weights, none, none, b, 16, K, N);
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this CPU and kernel let the process use AMX (asks once)");
   m.def("gemm", &gemm, "x @ dequantize(codes, scales, mins)^T on AMX");
   m.def("gemv", &gemv, "the same for 1-4 rows, AVX512-BF16 dot products on the codes");
-  m.def("linear_bf16", &linear_bf16, "x @ W^T for bf16 weights in the tile order (gemv kernel or AMX tiles)");
 }

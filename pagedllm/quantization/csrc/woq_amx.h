@@ -131,11 +131,11 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& cod
   const int64_t M = out.size(0), N = out.size(1), K = x.size(1);
   const int64_t Mp = (M + kTile - 1) / kTile * kTile;
   const int64_t ksteps = K / kKStep, groups = K / group_size, nsub_total = N / kTile;
-  const int64_t code_row_bytes = BITS * 4;  // per pair row of one n-subtile: 32 weights
+  const int64_t code_row_bytes = BITS == 4 ? 16 : 32;  // per pair row of one n-subtile
   const auto* xp = reinterpret_cast<const uint8_t*>(x.data_ptr<at::BFloat16>());
   const auto* tp = tail.defined() ? reinterpret_cast<const uint8_t*>(tail.data_ptr<at::BFloat16>()) : nullptr;
   auto rows_at = [&](int64_t r0) { return r0 + kTile <= M ? xp + r0 * K * 2 : tp; };  // 16 rows from r0
-  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());  // uint8 codes, or bf16 weights
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
   const S* sp = scales.data_ptr<S>();
   const S* mp = mins.data_ptr<S>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
@@ -149,10 +149,8 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& cod
   const int64_t strip_blocks =
       Mp > 4 * kTile ? std::clamp<int64_t>(kStripBytes / (K * 2 * kTile * 2), 1, nblocks) : 1;
   const int64_t tiles_per_block = ksteps * 2 * kTile;  // 16-row bf16 tile rows of one block's K x 32 weights
-  // the B tile of n-subtile s (0, 1) of block nb at k-step ks: in the strip that block sb starts, or, for
-  // bf16 weights (BITS 16, nothing to dequantize), in the weights themselves ([N/16, K/2, 32] bf16)
+  // the B tile of n-subtile s (0, 1) of block nb at k-step ks, in the strip that block sb starts
   auto b_tile = [&](const __m512bh* strip, int64_t sb, int64_t nb, int s, int64_t ks) {
-    if constexpr (BITS == 16) return reinterpret_cast<const __m512bh*>(cp) + ((2 * nb + s) * ksteps + ks) * kTile;
     return strip + (nb - sb) * tiles_per_block + (ks * 2 + s) * kTile;
   };
   // blocks [sb, sb_end) of 4- or 8-bit codes dequantized into the strip, one after another
@@ -180,13 +178,13 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& cod
   };
   at::parallel_for(0, nblocks, grain, [&](int64_t nb_begin, int64_t nb_end) {
     load_tile_config();
-    // strip_blocks x K x 32 dequantized weights (none for bf16); new[] of a 64-byte vector type is 64-byte
-    // aligned and left uninitialized
-    std::unique_ptr<__m512bh[]> strip(BITS == 16 ? nullptr : new __m512bh[size_t(strip_blocks * tiles_per_block)]);
+    // strip_blocks x K x 32 dequantized weights; new[] of a 64-byte vector type is 64-byte aligned and left
+    // uninitialized
+    std::unique_ptr<__m512bh[]> strip(new __m512bh[size_t(strip_blocks * tiles_per_block)]);
     alignas(64) float cbuf[4][kTile * kTile];
     for (int64_t sb = nb_begin; sb < nb_end; sb += strip_blocks) {
       const int64_t sb_end = std::min(sb + strip_blocks, nb_end);
-      if constexpr (BITS != 16) dequantize_blocks(strip.get(), sb, sb_end);  // (bf16: nothing to do)
+      dequantize_blocks(strip.get(), sb, sb_end);
       for (int64_t m0 = 0; m0 < Mp; m0 += 2 * kTile) {
         const int msubs = m0 + kTile < Mp ? 2 : 1;
         const uint8_t* a0 = rows_at(m0);
@@ -199,11 +197,6 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& cod
           _tile_zero(2);
           _tile_zero(3);
           for (int64_t ks = 0; ks < ksteps; ++ks) {
-            if constexpr (BITS == 16)  // the weights stream from L3 / DRAM as codes do: asked for ahead
-              for (int s = 0; s < nsubs; ++s) {
-                const char* next = reinterpret_cast<const char*>(b_tile(nullptr, sb, nb, s, ks)) + kAmxPrefetchBytes;
-                for (int64_t line = 0; line < kTile * 64; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
-              }
             _tile_loadd(6, b_tile(strip.get(), sb, nb, 0, ks), 64);
             _tile_loadd(4, a0 + ks * 64, K * 2);
             _tile_dpbf16ps(0, 4, 6);
@@ -255,9 +248,7 @@ inline at::Tensor gemm_tensor(const at::Tensor& x, const at::Tensor& codes, cons
     std::copy_n(xa.data_ptr<at::BFloat16>() + (M - rest) * K, rest * K, tail.data_ptr<at::BFloat16>());
   }
   const bool half = scales.scalar_type() == at::kHalf;
-  if (bits == 16)
-    woq_gemm<16, float>(xa, tail, codes, scales, mins, bias, group_size, out);
-  else if (bits == 4 && half)
+  if (bits == 4 && half)
     woq_gemm<4, at::Half>(xa, tail, codes, scales, mins, bias, group_size, out);
   else if (bits == 4)
     woq_gemm<4, float>(xa, tail, codes, scales, mins, bias, group_size, out);

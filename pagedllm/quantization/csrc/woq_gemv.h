@@ -57,35 +57,6 @@ inline __m512i decode8_row(const uint8_t* codes) {
 // (2 threads; 4 KB / 16 groups the same, 8 KB / 32 slower).
 constexpr int64_t kPrefetchCodeBytes = 2048, kPrefetchGroups = 8;
 
-// bf16 weights in the same order (BITS 16, [N/16, K/2, 32]): the same dot products on the weights
-// themselves, with no groups to scale. A decode step's bf16 linears are bound by reading the weights;
-// oneDNN's prepacked kernel read them at 10-13 GB/s at 1-4 rows where this reads at 15-26.
-template <int M>
-void gemv_bf16_subtiles(const at::BFloat16* x, int64_t K, const uint8_t* weights, const float* bias, int64_t N,
-                        at::BFloat16* out, int64_t ns_begin, int64_t ns_end) {
-  const auto* xp = reinterpret_cast<const int32_t*>(x);
-  for (int64_t ns = ns_begin; ns < ns_end; ++ns) {
-    const uint8_t* w = weights + ns * (K / 2) * 64;
-    __m512 d[M][4];
-    for (int m = 0; m < M; ++m)
-      for (int j = 0; j < 4; ++j) d[m][j] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < K / 2; p += 4) {  // K / 2 is a multiple of 16
-      for (int j = 0; j < 4; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (p + j) * 64 + kPrefetchCodeBytes), _MM_HINT_T0);
-      for (int j = 0; j < 4; ++j) {
-        const __m512bh row = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + (p + j) * 64));
-        for (int m = 0; m < M; ++m)
-          d[m][j] = _mm512_dpbf16_ps(d[m][j], reinterpret_cast<__m512bh>(_mm512_set1_epi32(xp[m * (K / 2) + p + j])),
-                                     row);
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      const __m512 y = _mm512_add_ps(_mm512_add_ps(d[m][0], d[m][1]), _mm512_add_ps(d[m][2], d[m][3]));
-      store_bf16(out + m * N + ns * kTile, bias ? _mm512_add_ps(y, _mm512_loadu_ps(bias + ns * kTile)) : y);
-    }
-  }
-}
-
 template <int BITS, int M, typename S>
 void gemv_subtiles(const at::BFloat16* x, int64_t K, const uint8_t* codes, const S* scales, const S* mins,
                    const float* bias, int64_t group_size, int64_t N, at::BFloat16* out, int64_t ns_begin,
@@ -162,10 +133,26 @@ void gemv(int64_t M, int64_t bits, const at::BFloat16* x, int64_t K, const uint8
   WOQ_GEMV_CASE(4, 1) WOQ_GEMV_CASE(4, 2) WOQ_GEMV_CASE(4, 3) WOQ_GEMV_CASE(4, 4)
   WOQ_GEMV_CASE(8, 1) WOQ_GEMV_CASE(8, 2) WOQ_GEMV_CASE(8, 3) WOQ_GEMV_CASE(8, 4)
 #undef WOQ_GEMV_CASE
-#define WOQ_GEMV_BF16_CASE(R) \
-  if (bits == 16 && M == R) return gemv_bf16_subtiles<R>(x, K, codes, bias, N, out, ns_begin, ns_end);
-  WOQ_GEMV_BF16_CASE(1) WOQ_GEMV_BF16_CASE(2) WOQ_GEMV_BF16_CASE(3) WOQ_GEMV_BF16_CASE(4)
-#undef WOQ_GEMV_BF16_CASE
+}
+
+// x [M, K] (M 1..4, rows K apart) times the layer in the AMX layout into out [M, N]; bias float32 [N] or
+// nullptr: the column subtiles split between threads. gemv_tensor's kernel, and the decode stack's for
+// its small steps (model/csrc/decode_stack.cpp), on raw pointers.
+inline void gemv_into(int64_t M, int64_t bits, const at::BFloat16* x, int64_t K, const at::Tensor& codes,
+                      const at::Tensor& scales, const at::Tensor& mins, const float* bias, int64_t group_size,
+                      int64_t N, at::BFloat16* out) {
+  // a task of at least ~16 KB of codes before a second thread is woken
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(K * 16 * bits / 8, 1));
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  auto run = [&](const auto* sc, const auto* mn) {
+    at::parallel_for(0, N / kTile, grain, [&](int64_t begin, int64_t end) {
+      gemv(M, bits, x, K, c, sc, mn, bias, group_size, N, out, begin, end);
+    });
+  };
+  if (scales.scalar_type() == at::kHalf)
+    run(scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>());
+  else
+    run(scales.data_ptr<float>(), mins.data_ptr<float>());
 }
 
 // x [M, K] bf16 (M 1..4) times the layer in the AMX layout; bias float32 [N] or undefined. The buffers'
@@ -177,24 +164,12 @@ inline at::Tensor gemv_tensor(const at::Tensor& x, const at::Tensor& codes, cons
   const int64_t M = x.size(0), K = x.size(1);
   const at::Tensor xa = x.contiguous();
   auto out = at::empty({M, N}, x.options());
-  // a task of at least ~16 KB of codes before a second thread is woken
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(K * 16 * bits / 8, 1));
-  auto run = [&](auto* scale_type) {
-    using S = std::remove_pointer_t<decltype(scale_type)>;
-    at::parallel_for(0, N / kTile, grain, [&](int64_t begin, int64_t end) {
-      gemv<S>(M, bits, xa.data_ptr<at::BFloat16>(), K, static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<S>(),
-              mins.data_ptr<S>(), bias.defined() ? bias.data_ptr<float>() : nullptr, group_size, N,
-              out.data_ptr<at::BFloat16>(), begin, end);
-    });
-  };
-  if (scales.scalar_type() == at::kHalf)
-    run(static_cast<at::Half*>(nullptr));
-  else
-    run(static_cast<float*>(nullptr));
+  gemv_into(M, bits, xa.data_ptr<at::BFloat16>(), K, codes, scales, mins,
+            bias.defined() ? bias.data_ptr<float>() : nullptr, group_size, N, out.data_ptr<at::BFloat16>());
   return out;
 }
 
-// x [M, K] bf16 times a layer in the AMX layout (bits 4 or 8; 16 for bf16 weights in the same order):
+// x [M, K] bf16 times a layer in the AMX layout (bits 4 or 8):
 // the dot-product kernel for 1-4 rows, the AMX tiles above, as QuantLinear.path() chooses in Python.
 inline at::Tensor linear_tensor(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                                 const at::Tensor& mins, const at::Tensor& bias, int64_t bits, int64_t group_size,
