@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,7 +22,22 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences have exactly one new token
     seq_lens_tensor: torch.Tensor  # [B] long, the same as seq_lens
     block_size: int = 16
+    _prefix_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    def prefix_mask(self, i: int) -> torch.Tensor | None:
+        """Prefill i's attention mask [n, context] when its chunk follows cached tokens (query j sits at
+        position prefix + j and sees keys 0..prefix + j), else None (plain causal). Made once a step,
+        then shared by every layer."""
+        n = self.query_start_loc[i + 1] - self.query_start_loc[i]
+        prefix = self.seq_lens[i] - n
+        if prefix == 0:
+            return None
+        if i not in self._prefix_masks:
+            self._prefix_masks[i] = (
+                torch.arange(self.seq_lens[i])[None, :] <= (prefix + torch.arange(n))[:, None]
+            )
+        return self._prefix_masks[i]
