@@ -22,22 +22,23 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences have exactly one new token
     seq_lens_tensor: torch.Tensor  # [B] long, the same as seq_lens
     block_size: int = 16
-    _prefix_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _prefix_masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
-    def prefix_mask(self, i: int) -> torch.Tensor | None:
-        """Prefill i's attention mask [n, context] when its chunk follows cached tokens (query j sits at
-        position prefix + j and sees keys 0..prefix + j), else None (plain causal). Made once a step,
-        then shared by every layer."""
+    def prefix_mask(self, i: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Prefill i's additive attention mask [n, context] in dtype (0 where query j, at position
+        prefix + j, sees key 0..prefix + j; -inf past it) when its chunk follows cached tokens, else None
+        (plain causal). SDPA turns a boolean mask into this same tensor on every call; made once a step,
+        it is shared by every layer."""
         n = self.query_start_loc[i + 1] - self.query_start_loc[i]
         prefix = self.seq_lens[i] - n
         if prefix == 0:
             return None
-        if i not in self._prefix_masks:
-            self._prefix_masks[i] = (
-                torch.arange(self.seq_lens[i])[None, :] <= (prefix + torch.arange(n))[:, None]
-            )
-        return self._prefix_masks[i]
+        key = (i, dtype)
+        if key not in self._prefix_masks:
+            sees = torch.arange(self.seq_lens[i])[None, :] <= (prefix + torch.arange(n))[:, None]
+            self._prefix_masks[key] = torch.zeros(sees.shape, dtype=dtype).masked_fill_(~sees, float("-inf"))
+        return self._prefix_masks[key]

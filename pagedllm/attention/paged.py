@@ -70,7 +70,7 @@ def paged_attention(
             ks, vs = k[start:end], v[start:end]
         else:
             ks, vs = context_kv(kv_cache, meta.block_tables[i], ctx, bs, q.dtype)
-        out[start:end] = _prefill_one(q[start:end], ks, vs, meta.prefix_mask(i), scale)
+        out[start:end] = _prefill_one(q[start:end], ks, vs, meta.prefix_mask(i, q.dtype), scale)
     return out
 
 
