@@ -181,7 +181,30 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& cod
     // strip_blocks x K x 32 dequantized weights; new[] of a 64-byte vector type is 64-byte aligned and left
     // uninitialized
     std::unique_ptr<__m512bh[]> strip(new __m512bh[size_t(strip_blocks * tiles_per_block)]);
-    alignas(64) float cbuf[4][kTile * kTile];
+    // C tiles land in one of two buffers and are rounded into out one block later: a block's conversion
+    // then runs while the AMX unit works on the next block, instead of waiting on its own tile stores
+    alignas(64) float cbuf[2][4][kTile * kTile];
+    struct Pending {
+      int64_t m0 = -1, ns0 = 0;
+      int msubs = 0, nsubs = 0;
+    } pending[2];
+    int cur = 0;
+    auto flush = [&](int b) {
+      const Pending& p = pending[b];
+      if (p.m0 < 0) return;
+      for (int ms = 0; ms < p.msubs; ++ms)
+        for (int r = 0; r < kTile; ++r) {
+          const int64_t row = p.m0 + ms * kTile + r;
+          if (row >= M) break;
+          for (int s = 0; s < p.nsubs; ++s) {
+            const int64_t n0 = (p.ns0 + s) * kTile;
+            __m512 v = _mm512_load_ps(cbuf[b][ms * 2 + s] + r * kTile);
+            if (bp) v = _mm512_add_ps(v, _mm512_loadu_ps(bp + n0));
+            store_bf16(op + row * N + n0, v);
+          }
+        }
+      pending[b].m0 = -1;
+    };
     for (int64_t sb = nb_begin; sb < nb_end; sb += strip_blocks) {
       const int64_t sb_end = std::min(sb + strip_blocks, nb_end);
       dequantize_blocks(strip.get(), sb, sb_end);
@@ -210,25 +233,17 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& cod
               if (nsubs == 2) _tile_dpbf16ps(3, 5, 7);
             }
           }
-          _tile_stored(0, cbuf[0], 64);
-          _tile_stored(1, cbuf[1], 64);
-          _tile_stored(2, cbuf[2], 64);
-          _tile_stored(3, cbuf[3], 64);
-          for (int ms = 0; ms < msubs; ++ms) {
-            for (int r = 0; r < kTile; ++r) {
-              const int64_t row = m0 + ms * kTile + r;
-              if (row >= M) break;
-              for (int s = 0; s < nsubs; ++s) {
-                const int64_t n0 = (ns0 + s) * kTile;
-                __m512 v = _mm512_load_ps(cbuf[ms * 2 + s] + r * kTile);
-                if (bp) v = _mm512_add_ps(v, _mm512_loadu_ps(bp + n0));
-                store_bf16(op + row * N + n0, v);
-              }
-            }
-          }
+          flush(cur ^ 1);  // the previous block's results, while this block's products finish
+          _tile_stored(0, cbuf[cur][0], 64);
+          _tile_stored(1, cbuf[cur][1], 64);
+          _tile_stored(2, cbuf[cur][2], 64);
+          _tile_stored(3, cbuf[cur][3], 64);
+          pending[cur] = Pending{m0, ns0, msubs, nsubs};
+          cur ^= 1;
         }
       }
     }
+    flush(cur ^ 1);
     _tile_release();
   });
 }
