@@ -137,8 +137,8 @@ class DecodeStack {
   // A decode step of 1-4 sequences is bound by streaming the weights, and the ~25 tensors a layer's calls
   // make (views, outputs, checks) cost ~10 us a layer on top: a tenth of a single-stream step. Here the
   // same kernels run on raw pointers into buffers made once a step: woq::gemv with gemv_tensor's split,
-  // layer_ops' row functions, paged_decode's bf16 tasks with its split, write_kv's copies, and ATen's
-  // silu as silu_mul calls it. So the result is the general path's bit for bit (tests/test_decode_stack.py).
+  // layer_ops' row functions (silu_mul's rows included), paged_decode's bf16 tasks with its split, and
+  // write_kv's copies. So the result is the general path's bit for bit (tests/test_decode_stack.py).
 #ifdef PAGEDLLM_DECODE_BF16
   bool small_decode_applies(const at::Tensor& x, const std::vector<at::Tensor>& kv_caches,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -164,7 +164,7 @@ class DecodeStack {
     // every buffer of the step: two residual streams taking turns, the normed input, and one per product
     auto buf = [&](int64_t width) { return at::empty({B, width}, x_in.options()); };
     at::Tensor x = x_in.contiguous().clone(), x_next = buf(d), h = buf(d), qkv = buf(W), attn = buf(H * D),
-               o = buf(d), gate_up = buf(2 * F), mlp = buf(d);
+               o = buf(d), gate_up = buf(2 * F), act = buf(F), mlp = buf(d);
     std::vector<float> scratch(std::max(d, 2 * F));
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     const int64_t* lens = seq_lens.data_ptr<int64_t>();
@@ -198,7 +198,9 @@ class DecodeStack {
       add_norm_rows(o.data_ptr<bf16>(), x.data_ptr<bf16>(), layer.post_attention_norm, x_next.data_ptr<bf16>());
       std::swap(x, x_next);
       layer.gate_up.gemv_into(h.data_ptr<bf16>(), B, d, gate_up.data_ptr<bf16>());
-      const at::Tensor act = layer_ops::silu_mul(gate_up);
+      for (int64_t r = 0; r < B; ++r)
+        layer_ops::silu_mul_row(gate_up.data_ptr<bf16>() + r * 2 * F, gate_up.data_ptr<bf16>() + r * 2 * F + F,
+                                act.data_ptr<bf16>() + r * F, F);
       layer.down.gemv_into(act.data_ptr<bf16>(), B, F, mlp.data_ptr<bf16>());
       if (l + 1 == layers_.size()) {
         for (int64_t r = 0; r < B; ++r)
