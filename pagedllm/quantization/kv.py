@@ -73,15 +73,6 @@ class QuantizedKVCache:
         codes = torch.index_select(self.raw, 1, block_ids)
         return self._dequantize(codes, torch.index_select(self.scale, 1, block_ids), dtype)
 
-    def read_slots(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        kvh, hd = self.data.shape[-2:]
-        raw = self.raw
-        k, v = (
-            self._dequantize(raw[i].view(-1, kvh, hd)[slots], self.scale[i].view(-1, kvh)[slots], dtype)
-            for i in range(2)
-        )
-        return k, v
-
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         raw = self.raw
         raw[:, dst] = raw[:, src]
