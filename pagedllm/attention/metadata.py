@@ -22,7 +22,9 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences have exactly one new token
     seq_lens_tensor: torch.Tensor  # [B] long, the same as seq_lens
     block_size: int = 16
-    _prefix_masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, repr=False)
+    _prefix_masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     @property
     def num_seqs(self) -> int:

@@ -50,6 +50,7 @@ def merge_linears(layers: list[nn.Module]) -> nn.Module | None:
 
 
 def prepack(layer: nn.Module) -> nn.Module:
+    """A PackedLinear for a bf16 CPU nn.Linear, else the layer itself (callers check prepacking_available)."""
     if (
         type(layer) is nn.Linear
         and layer.weight.dtype == torch.bfloat16

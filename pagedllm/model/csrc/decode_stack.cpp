@@ -163,7 +163,7 @@ class DecodeStack {
     const at::Tensor cos = cos_in.reshape({B, D}).contiguous(), sin = sin_in.reshape({B, D}).contiguous();
     // every buffer of the step: two residual streams taking turns, the normed input, and one per product
     auto buf = [&](int64_t width) { return at::empty({B, width}, x_in.options()); };
-    at::Tensor x = x_in.contiguous().clone(), x_next = buf(d), h = buf(d), qkv = buf(W), attn = buf(H * D),
+    at::Tensor x = x_in.clone(), x_next = buf(d), h = buf(d), qkv = buf(W), attn = buf(H * D),
                o = buf(d), gate_up = buf(2 * F), act = buf(F), mlp = buf(d);
     std::vector<float> scratch(std::max(d, 2 * F));
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();

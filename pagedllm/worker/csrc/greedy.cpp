@@ -15,10 +15,7 @@
 #include <cstdint>
 #include <limits>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define PAGEDLLM_GREEDY_AVX512 1
-#endif
+#include "../../csrc/bf16_vec.h"  // PAGEDLLM_BF16_VEC where AVX-512 is there: bf16vec::load
 
 namespace {
 
@@ -42,18 +39,15 @@ int64_t argmax_scalar(const scalar_t* x, int64_t begin, int64_t end, float& best
   return at;
 }
 
-#ifdef PAGEDLLM_GREEDY_AVX512
+#ifdef PAGEDLLM_BF16_VEC
 inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load16(const c10::BFloat16* x) {  // bf16 -> float is exact: the bits, shifted
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
+inline __m512 load16(const c10::BFloat16* x) { return bf16vec::load(x, 0xFFFF); }  // exact: the bits, shifted
 #endif
 
 template <typename scalar_t>
 int64_t argmax_row(const scalar_t* x, int64_t V) {
   int64_t i = 0;
-#ifdef PAGEDLLM_GREEDY_AVX512
+#ifdef PAGEDLLM_BF16_VEC
   if (V >= 16) {
     __m512 best = load16(x);
     __m512i best_at = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);

@@ -219,32 +219,24 @@ inline std::vector<at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, a
   return {sum, out};
 }
 
-// gate_up [rows, 2F] (gate first) -> dtype(silu(gate)) * up, [rows, F]: SwiGLU's element-wise half.
-// silu itself is ATen's (vectorized exp; the same values as F.silu), the product is fused here.
 #ifdef PAGEDLLM_BF16_VEC
 // ATen's Vectorized<float>::exp on AVX-512; libtorch_cpu exports it, so silu here calls the very function
 // at::silu's vectorized loop calls
 extern "C" __m512 Sleef_expf16_u10(__m512);
 
 // One row of silu(gate) * up in bf16, rounded as torch rounds F.silu(gate) * up: ATen's silu kernel takes
-// the row 64 values at a time as float x / (1 + exp(-x)) (Sleef's exp, rounded to bf16 with NaN as
-// 0xFFFF) and the last width % 64 one by one with std::exp (c10's rounding); then the product in float,
-// rounded again. Calling at::silu instead cost ~10 us a row (an op, an output tensor, a thread hand-off):
+// the row 64 values at a time as float x / (1 + exp(-x)) with Sleef's exp, the last width % 64 one by one
+// with std::exp, and rounds each to bf16; then the product in float, rounded again. (ATen's vector loop
+// writes a NaN as 0xFFFF where c10 writes 0x7FC0; either is a NaN, and the product's rounding below
+// writes 0x7FC0 whatever came in.) Calling at::silu instead cost ~10 us a row (an op, an output tensor, a thread hand-off):
 // 0.3 ms of a 5 ms single-stream step.
 inline void silu_mul_row(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16* out, int64_t width) {
   const int64_t vector_end = width / 64 * 64;
   const __m512 one = _mm512_set1_ps(1.f), sign = _mm512_set1_ps(-0.f);
   for (int64_t i = 0; i < vector_end; i += 16) {
     const __m512 x = bf16vec::load(gate + i, 0xFFFF);
-    const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_xor_ps(x, sign))));
-    // ATen's vectorized bf16 rounding: to nearest even, NaN as 0xFFFF
-    const __mmask16 number = _mm512_cmp_ps_mask(silu, silu, _CMP_ORD_Q);
-    const __m512i u = _mm512_castps_si512(silu);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i bits = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    bits = _mm512_mask_blend_epi32(number, _mm512_set1_epi32(0xFFFF), bits);
-    const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-    bf16vec::store(out + i, 0xFFFF, _mm512_mul_ps(bf16vec::load(up + i, 0xFFFF), rounded));
+    const __m512 silu = bf16vec::round(_mm512_div_ps(x, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_xor_ps(x, sign)))));
+    bf16vec::store(out + i, 0xFFFF, _mm512_mul_ps(bf16vec::load(up + i, 0xFFFF), silu));
   }
   for (int64_t i = vector_end; i < width; ++i) {
     const float x = float(gate[i]);
@@ -254,7 +246,8 @@ inline void silu_mul_row(const at::BFloat16* gate, const at::BFloat16* up, at::B
 }
 #endif
 
-// gate_up [rows, 2F] (gate, then up) -> silu(gate) * up [rows, F]
+// gate_up [rows, 2F] (gate, then up) -> dtype(silu(gate)) * up [rows, F]: SwiGLU's element-wise half
+// (bf16: silu_mul_row; other dtypes: ATen's silu, then the product)
 inline at::Tensor silu_mul(at::Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_mul: gate_up must be [rows, 2F]");
   if (gate_up.stride(1) != 1) gate_up = gate_up.contiguous();
