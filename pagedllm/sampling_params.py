@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from pagedllm.errors import InputError
 
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """Which of a request's outputs engine.step() returns (vLLM's names)."""
+
+    CUMULATIVE = 0  # one every step the request advances, with everything generated so far
+    FINAL_ONLY = 2  # only the last one, when the request finishes (what offline LLM.generate needs)
 
 
 @dataclass
@@ -30,6 +38,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -258,3 +258,33 @@ def test_reset_prefix_cache_makes_the_next_run_prefill_again(llm):
     hits = engine.get_stats().prefix_cache_hits
     llm.generate([prompt], params, use_tqdm=False)
     assert engine.get_stats().prefix_cache_hits == hits
+
+
+def test_final_only_requests_give_one_output_the_same_as_the_cumulative_last(llm):
+    # offline generate asks the engine for final outputs only: no output while a request runs, and the
+    # one at its end equal to the last of a request that reported every step
+    from dataclasses import replace
+
+    from pagedllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[" 6,"], logprobs=1)
+    engine.add_request("every-step", PROMPTS[3], params)
+    engine.add_request("final-only", PROMPTS[3], replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
+    seen: dict[str, list] = {"every-step": [], "final-only": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen["every-step"]) > 1 and len(seen["final-only"]) == 1
+    last, final = seen["every-step"][-1], seen["final-only"][0]
+    assert final.finished and last.finished
+    assert final.outputs == last.outputs
+    assert final.outputs[0].finish_reason == "stop"  # " 6," stopped it before max_tokens
+
+
+def test_generate_leaves_the_callers_sampling_params_as_they_were(llm):
+    from pagedllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(temperature=0, max_tokens=4)
+    llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert params.output_kind is RequestOutputKind.CUMULATIVE

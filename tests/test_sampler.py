@@ -1,7 +1,9 @@
 import math
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
 
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.sampler import (
@@ -10,6 +12,7 @@ from pagedllm.worker.sampler import (
     apply_top_k_top_p,
     argmax_kernel,
     greedy,
+    is_plain_greedy,
     sample,
 )
 
@@ -323,3 +326,28 @@ def test_greedy_rank_is_one():
     out = sample(logits, batch_of(*[SamplingParams(temperature=0, logprobs=1)] * 2))
     assert out.sampled_ranks == [1, 1]
     assert [lp[0][0] for lp in out.logprobs] == out.token_ids
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    temperature=st.sampled_from([0.0, 1e-6, 0.5, 1.0]),
+    logprobs=st.sampled_from([None, 0, 2]),
+    logit_bias=st.sampled_from([None, {}, {3: 1.0}]),
+    min_tokens=st.integers(0, 3),
+    num_output=st.integers(0, 4),
+    repetition_penalty=st.sampled_from([1.0, 1.2]),
+    presence_penalty=st.sampled_from([0.0, 0.5]),
+    frequency_penalty=st.sampled_from([0.0, -0.5]),
+    top_k=st.sampled_from([0, 5]),
+)
+def test_a_plain_greedy_row_is_what_makes_a_plain_greedy_batch(
+    temperature, logprobs, logit_bias, min_tokens, num_output, **rest
+):
+    # the model runner skips building the batch when every row is_plain_greedy: that must be exactly
+    # when the batch would have been plain_greedy (EOS in the vocabulary, bias on in-vocabulary tokens)
+    p = SamplingParams(
+        temperature=temperature, logprobs=logprobs, logit_bias=logit_bias, min_tokens=min_tokens, **rest
+    )
+    row = (p, [1, 2], [5] * num_output, None)
+    batch = SamplingBatch.from_rows([row, row], V, "cpu", eos_token_ids=[0])
+    assert is_plain_greedy(p, num_output) == batch.plain_greedy

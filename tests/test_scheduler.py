@@ -423,3 +423,13 @@ def test_everything_composes_under_memory_pressure(seed):
         assert r.output_token_ids == expected[rid], rid
     assert sched.num_preemptions > 0
     assert sched.kv_cache_manager.num_free_blocks == num_blocks
+
+
+def test_token_ids_slice_is_a_slice_of_all_token_ids():
+    # the model runner reads each step's new tokens with it: prompt only, output only, and across the two
+    r = Request("r", [10, 11, 12, 13], SamplingParams(), arrival_time=0.0)
+    r.output_token_ids.extend([20, 21, 22])
+    n = r.num_tokens
+    for start in range(n + 1):
+        for end in range(start, n + 1):
+            assert r.token_ids_slice(start, end) == r.all_token_ids[start:end], (start, end)

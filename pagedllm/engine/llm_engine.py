@@ -25,7 +25,7 @@ from pagedllm.model.loader import resolve_model_path
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.quantization.kv import KV_QUANT_DTYPES, kv_cache_bytes_per_token, resolve_kv_cache_dtype
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.units import format_size, parse_size
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -307,6 +307,8 @@ class LLMEngine:
                 del self._groups[group.request_id]
                 for c in group.children:
                     self._child_to_group.pop(c.request_id, None)
+            elif group.params.output_kind is RequestOutputKind.FINAL_ONLY:
+                continue  # nobody reads it: 32 outputs a step cost a W32 decode step ~0.3 ms
             outputs.append(self._make_output(group, finished))
         return outputs
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 from tqdm.auto import tqdm
 
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.errors import InputError
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -51,6 +52,10 @@ class LLM:
                 )
         else:
             params = [params] * len(prompts)
+        # The loop below reads only finished outputs, so the engine need not build the others (vLLM's LLM
+        # does the same). The caller's objects are left as they are.
+        final_only = {id(p): replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
+        params = [final_only[id(p)] for p in params]
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         engine = self.llm_engine
         for rid, prompt, p in zip(ids, prompts, params):

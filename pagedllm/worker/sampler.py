@@ -179,6 +179,21 @@ class SamplingBatch:
         return cls.from_rows(rows, vocab_size, device)
 
 
+def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether this row, in any batch, leaves the sampler nothing but the argmax of its raw logits: greedy,
+    no logprobs, no logit bias, no penalty, and past min_tokens (nothing banned). A batch whose rows all
+    are is SamplingBatch.plain_greedy, so the model runner can skip building the batch."""
+    return (
+        params.temperature < _SAMPLING_EPS
+        and params.logprobs is None
+        and not params.logit_bias
+        and num_output_tokens >= params.min_tokens
+        and params.repetition_penalty == 1.0
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+    )
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
