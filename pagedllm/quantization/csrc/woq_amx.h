@@ -127,6 +127,20 @@ constexpr int64_t kAmxPrefetchBytes = 1024, kAmxPrefetchGroups = 4;
 // than 64 rows: they stay in L2 while every 32 rows of x pass over them (7 blocks at K = 576, 2 at 1536).
 constexpr int64_t kStripBytes = 256 * 1024;
 
+// This thread's buffer for n dequantized tile rows, kept from call to call: allocated per call, glibc
+// handed it back to the OS when it was freed and the next call faulted it in again (new pages zeroed by
+// the kernel). A captured W32 decode step's layers, stacks alternated in shuffled order: 33.9 -> 32.8 ms. new[] of a 64-byte vector type is 64-byte
+// aligned and left uninitialized.
+inline __m512bh* strip_buffer(size_t n) {
+  thread_local std::unique_ptr<__m512bh[]> buffer;
+  thread_local size_t capacity = 0;
+  if (n > capacity) {
+    buffer.reset(new __m512bh[n]);
+    capacity = n;
+  }
+  return buffer.get();
+}
+
 // x [M, K] contiguous; tail: x's last M % 16 rows zero-padded to 16 (a tile reads 16 rows), undefined
 // when M is a multiple of 16.
 template <int BITS, typename S>
@@ -169,9 +183,8 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& cod
   auto subtiles_end = [&](int64_t nb) { return std::min(nb * 2 + 2, nsub_total); };
   at::parallel_for(0, nblocks, grain, [&](int64_t nb_begin, int64_t nb_end) {
     load_tile_config();
-    // dequantized weights: strip_blocks blocks (a prefill), or two blocks taking turns (below); new[] of a
-    // 64-byte vector type is 64-byte aligned and left uninitialized
-    std::unique_ptr<__m512bh[]> strip(new __m512bh[size_t(std::max<int64_t>(strip_blocks, 2) * tiles_per_block)]);
+    // dequantized weights: strip_blocks blocks (a prefill), or two blocks taking turns (below)
+    __m512bh* const strip = strip_buffer(size_t(std::max<int64_t>(strip_blocks, 2) * tiles_per_block));
     // C tiles land in one of two buffers and are rounded into out one block later: a block's conversion
     // then runs while the AMX unit works on the next block, instead of waiting on its own tile stores
     alignas(64) float cbuf[2][4][kTile * kTile];
@@ -236,10 +249,10 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& cod
         for (int64_t nb = sb; nb < sb_end; ++nb)
           for (int64_t ns = nb * 2; ns < subtiles_end(nb); ++ns)
             for (int64_t ks = 0; ks < ksteps; ++ks)
-              dequantize_subtile(strip.get() + (nb - sb) * tiles_per_block, ns, ks);
+              dequantize_subtile(strip + (nb - sb) * tiles_per_block, ns, ks);
         for (int64_t m0 = 0; m0 < Mp; m0 += 2 * kTile)
           for (int64_t nb = sb; nb < sb_end; ++nb)
-            block_products(strip.get() + (nb - sb) * tiles_per_block, m0, nb, [](int64_t) {});
+            block_products(strip + (nb - sb) * tiles_per_block, m0, nb, [](int64_t) {});
       }
     } else {
       // One block at a time (up to 64 rows of x), in two buffers taking turns: while the AMX unit multiplies
@@ -250,10 +263,10 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& cod
       // products. 120 4-bit layers at 32 rows back to back: 13.9 -> 11.5 ms, the 8-bit lm_head 3.6 -> 3.1;
       // a whole W32 decode step's layers: 33.7 -> 32.4 ms.
       for (int64_t ns = nb_begin * 2; ns < subtiles_end(nb_begin); ++ns)
-        for (int64_t ks = 0; ks < ksteps; ++ks) dequantize_subtile(strip.get(), ns, ks);
+        for (int64_t ks = 0; ks < ksteps; ++ks) dequantize_subtile(strip, ns, ks);
       for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
-        __m512bh* tiles = strip.get() + ((nb - nb_begin) & 1) * tiles_per_block;
-        __m512bh* next = strip.get() + ((nb - nb_begin + 1) & 1) * tiles_per_block;
+        __m512bh* tiles = strip + ((nb - nb_begin) & 1) * tiles_per_block;
+        __m512bh* next = strip + ((nb - nb_begin + 1) & 1) * tiles_per_block;
         const uint8_t* ahead = cp + (nb + 3) * block_code_bytes;
         const int64_t ahead_lines =
             nb + 3 < nb_end ? std::min<int64_t>(2, nsub_total - (nb + 3) * 2) * (K / 2) * code_row_bytes / 64 : 0;
