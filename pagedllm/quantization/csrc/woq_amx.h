@@ -129,8 +129,8 @@ constexpr int64_t kStripBytes = 256 * 1024;
 
 // This thread's buffer for n dequantized tile rows, kept from call to call: allocated per call, glibc
 // handed it back to the OS when it was freed and the next call faulted it in again (new pages zeroed by
-// the kernel). A captured W32 decode step's layers, stacks alternated in shuffled order: 33.9 -> 32.8 ms. new[] of a 64-byte vector type is 64-byte
-// aligned and left uninitialized.
+// the kernel). A captured W32 decode step's layers, stacks alternated in shuffled order: 33.9 -> 32.8
+// ms. new[] of a 64-byte vector type is 64-byte aligned and left uninitialized.
 inline __m512bh* strip_buffer(size_t n) {
   thread_local std::unique_ptr<__m512bh[]> buffer;
   thread_local size_t capacity = 0;
