@@ -1,0 +1,97 @@
+"""The C++ decode stack of this checkout against the one of another git revision, in one process.
+
+.venv/bin/python scripts/ab_decode_stack.py HEAD~1          # 120 rounds
+.venv/bin/python scripts/ab_decode_stack.py 07a5e56 200
+
+Runs W32 (GGUF native) to its 60th model call, keeps that decode step's inputs (32 sequences, contexts
+~80-350), then times the stack's forward over them: this checkout's stack and the other revision's
+(its C++ sources taken with `git archive`, built under another extension name, over the same weights),
+in a shuffled order every round. Prints each one's median in ms. Both stacks must give the same output
+bit for bit (checked first). This machine's speed swings by 20% within minutes, so separate runs of
+old and new code cannot show a 2% change; alternating them in one process can.
+"""
+
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from io import BytesIO
+from pathlib import Path
+
+import torch
+
+import pagedllm.model.decode_stack as decode_stack
+from pagedllm import LLM, SamplingParams
+from pagedllm.cpp_extension import load_cpp_extension
+
+ROOT = Path(__file__).resolve().parents[1]
+W32 = ROOT.parent / "shared" / "bench" / "w32.jsonl"
+
+
+def stack_of_revision(rev: str, model):
+    """Build the decode stack of `rev` over `model`'s weights."""
+    tree = Path(tempfile.mkdtemp(prefix="ab_stack_"))
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, "pagedllm"], capture_output=True, check=True
+    )
+    tarfile.open(fileobj=BytesIO(archive.stdout)).extractall(tree, filter="data")
+    name = (
+        "ab_stack_"
+        + subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short", rev], text=True).strip()
+    )
+    ext = load_cpp_extension(name, tree / "pagedllm" / "model" / "csrc" / "decode_stack.cpp")
+    current = decode_stack.load
+    decode_stack.load = lambda: ext
+    try:
+        return decode_stack.build_decode_stack(model)
+    finally:
+        decode_stack.load = current
+
+
+def main() -> None:
+    rev, rounds = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 120
+    llm = LLM(show_progress=False, quantization="gguf")
+    model = llm.llm_engine.model
+    stacks = {"this checkout": model.decode_stack, rev: stack_of_revision(rev, model)}
+
+    captured = []
+    calls = 0
+    inner = model.decode_stack
+
+    class Capture:  # stands in for the stack during the W32 run, keeping the 60th call's arguments
+        def forward(self, *args):
+            nonlocal calls
+            calls += 1
+            if calls == 60:
+                captured.append(tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+            return inner.forward(*args)
+
+    model.decode_stack = Capture()
+    prompts = [json.loads(line)["prompt"] for line in W32.read_text().splitlines()]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=70, ignore_eos=True), use_tqdm=False)
+    model.decode_stack = inner
+    args = captured[0]
+    assert args[0].shape[0] == 32 and not args[-1], "the 60th call was not a W32 decode step"
+
+    times: dict[str, list[float]] = {k: [] for k in stacks}
+    order = list(stacks.items())
+    rng = random.Random(0)
+    with torch.inference_mode():
+        outputs = [s.forward(*args) for s in stacks.values()]
+        assert all(torch.equal(o, outputs[0]) for o in outputs), "the stacks' outputs differ"
+        for _ in range(rounds):
+            rng.shuffle(order)
+            for key, stack in order:
+                start = time.perf_counter()
+                stack.forward(*args)
+                times[key].append(time.perf_counter() - start)
+    for key, t in times.items():
+        print(f"{key}: median {statistics.median(t) * 1e3:.2f} ms over {rounds} rounds")
+
+
+if __name__ == "__main__":
+    main()
