@@ -83,5 +83,8 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and not 0 <= v <= MAX_LOGPROBS:
                 raise bad(name, f"must be in [0, {MAX_LOGPROBS}], got {v}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            kinds = ", ".join(f"RequestOutputKind.{k.name}" for k in RequestOutputKind)
+            raise bad("output_kind", f"must be one of {kinds}, got {self.output_kind!r}")
         if any(not s for s in self.stop):
             raise bad("stop", "strings must not be empty")

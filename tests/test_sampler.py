@@ -14,6 +14,7 @@ from pagedllm.worker.sampler import (
     greedy,
     is_plain_greedy,
     sample,
+    sample_requests,
 )
 
 V = 32
@@ -351,3 +352,43 @@ def test_a_plain_greedy_row_is_what_makes_a_plain_greedy_batch(
     row = (p, [1, 2], [5] * num_output, None)
     batch = SamplingBatch.from_rows([row, row], V, "cpu", eos_token_ids=[0])
     assert is_plain_greedy(p, num_output) == batch.plain_greedy
+
+
+def test_sample_requests_takes_the_argmax_only_when_every_row_is_plain_greedy():
+    from types import SimpleNamespace
+
+    def req(params, output=()):
+        return SimpleNamespace(
+            sampling_params=params,
+            prompt_token_ids=[1],
+            output_token_ids=list(output),
+            generator=None,
+            eos_token_ids=[0],
+        )
+
+    logits = rand_logits(3).bfloat16()
+    plain = [req(SamplingParams(temperature=0))] * 3
+    out = sample_requests(logits, plain)
+    assert out.token_ids == logits.float().argmax(-1).tolist() and out.sampled_logprobs == [None] * 3
+    # one row asking for logprobs: the whole batch goes through sample(), which reports them
+    mixed = plain[:2] + [req(SamplingParams(temperature=0, logprobs=1))]
+    out = sample_requests(logits, mixed)
+    assert out.token_ids == logits.float().argmax(-1).tolist()
+    assert out.sampled_logprobs[:2] == [None, None] and out.sampled_logprobs[2] is not None
+    # min_tokens not yet reached bans EOS (token 0): it must not be picked even where it is the maximum
+    lifted = logits.clone()
+    lifted[:, 0] = 100
+    banned = [req(SamplingParams(temperature=0, min_tokens=2), output=[5])] * 3
+    assert 0 not in sample_requests(lifted, banned).token_ids
+
+
+def test_output_kind_must_be_a_request_output_kind():
+    from pagedllm.errors import InputError
+    from pagedllm.sampling_params import RequestOutputKind
+
+    assert (
+        SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY).output_kind is RequestOutputKind.FINAL_ONLY
+    )
+    with pytest.raises(InputError, match="RequestOutputKind.FINAL_ONLY") as e:
+        SamplingParams(output_kind="final")
+    assert e.value.param == "output_kind"

@@ -203,6 +203,20 @@ class SamplerOutput:
     sampled_ranks: list[int | None]  # 1 = the sampled token was the most likely one
 
 
+def sample_requests(logits: torch.Tensor, requests: Sequence) -> SamplerOutput:
+    """One token for each of `requests` (core Requests, one logits row each, in order). When every row
+    is_plain_greedy, the argmax of the raw logits, without building a SamplingBatch (~0.15-0.3 ms of a
+    32-row step); else sample() over the batch."""
+    if all(is_plain_greedy(r.sampling_params, len(r.output_token_ids)) for r in requests):
+        return _greedy_output(logits)
+    return sample(logits, SamplingBatch.from_requests(requests, logits.shape[-1]))
+
+
+def _greedy_output(logits: torch.Tensor) -> SamplerOutput:
+    B = logits.shape[0]
+    return SamplerOutput(greedy(logits).tolist(), [None] * B, [None] * B, [None] * B)
+
+
 @cache
 def argmax_kernel():
     """The C++ argmax over CPU logits (csrc/greedy.cpp), or None where it cannot be built."""
@@ -224,8 +238,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     logprobs, logit edits or penalties takes the argmax of them as they are (a bf16 -> float32 copy
     changes no value and no order); everything else works on float32."""
     if batch.plain_greedy:
-        B = batch.num_rows
-        return SamplerOutput(greedy(logits).tolist(), [None] * B, [None] * B, [None] * B)
+        return _greedy_output(logits)
     logits = logits.float()
     raw_logprobs = None
     if batch.max_num_logprobs is not None:

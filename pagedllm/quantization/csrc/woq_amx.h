@@ -267,9 +267,9 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& cod
       for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
         __m512bh* tiles = strip + ((nb - nb_begin) & 1) * tiles_per_block;
         __m512bh* next = strip + ((nb - nb_begin + 1) & 1) * tiles_per_block;
-        const uint8_t* ahead = cp + (nb + 3) * block_code_bytes;
-        const int64_t ahead_lines =
-            nb + 3 < nb_end ? std::min<int64_t>(2, nsub_total - (nb + 3) * 2) * (K / 2) * code_row_bytes / 64 : 0;
+        const int64_t na = nb + 3;  // the block whose codes are asked for meanwhile
+        const uint8_t* ahead = cp + na * block_code_bytes;
+        const int64_t ahead_lines = na < nb_end ? (subtiles_end(na) - na * 2) * (K / 2) * code_row_bytes / 64 : 0;
         const int64_t lines_per_step = (ahead_lines + ksteps - 1) / ksteps;
         for (int64_t m0 = 0; m0 < Mp; m0 += 2 * kTile)
           block_products(tiles, m0, nb, [&](int64_t ks) {
