@@ -1,16 +1,19 @@
-"""The C++ decode stack of this checkout against the one of another git revision, in one process.
+"""The C++ decode stack of this checkout against those of other git revisions or source trees, in one process.
 
 .venv/bin/python scripts/ab_decode_stack.py HEAD~1          # 120 rounds
 .venv/bin/python scripts/ab_decode_stack.py 07a5e56 200
+.venv/bin/python scripts/ab_decode_stack.py /tmp/variant_a /tmp/variant_b HEAD 100
 
 Runs W32 (GGUF native) to its 60th model call, keeps that decode step's inputs (32 sequences, contexts
-~80-350), then times the stack's forward over them: this checkout's stack and the other revision's
-(its C++ sources taken with `git archive`, built under another extension name, over the same weights),
-in a shuffled order every round. Prints each one's median in ms. Both stacks must give the same output
-bit for bit (checked first). This machine's speed swings by 20% within minutes, so separate runs of
-old and new code cannot show a 2% change; alternating them in one process can.
+~80-350), then times the stack's forward over them: this checkout's stack and each other one (a
+revision's C++ sources taken with `git archive`, or a directory holding a `pagedllm/` tree, such as a
+copy of this checkout with a kernel changed; each built under its own extension name over the same
+weights), in a shuffled order every round. Prints each one's median in ms. All stacks must give the
+same output bit for bit (checked first). This machine's speed swings by 20% within minutes, so separate
+runs of old and new code cannot show a 2% change; alternating them in one process can.
 """
 
+import hashlib
 import json
 import random
 import statistics
@@ -32,17 +35,23 @@ ROOT = Path(__file__).resolve().parents[1]
 W32 = ROOT.parent / "shared" / "bench" / "w32.jsonl"
 
 
-def stack_of_revision(rev: str, model):
-    """Build the decode stack of `rev` over `model`'s weights."""
+def source_tree(rev: str) -> tuple[Path, str]:
+    """A directory holding `rev`'s pagedllm/ tree, and an extension name for its stack."""
+    if (Path(rev) / "pagedllm").is_dir():
+        tree = Path(rev).resolve()
+        return tree, "ab_stack_" + hashlib.sha1(str(tree).encode()).hexdigest()[:10]
     tree = Path(tempfile.mkdtemp(prefix="ab_stack_"))
     archive = subprocess.run(
         ["git", "-C", str(ROOT), "archive", rev, "pagedllm"], capture_output=True, check=True
     )
     tarfile.open(fileobj=BytesIO(archive.stdout)).extractall(tree, filter="data")
-    name = (
-        "ab_stack_"
-        + subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short", rev], text=True).strip()
-    )
+    sha = subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short", rev], text=True).strip()
+    return tree, "ab_stack_" + sha
+
+
+def stack_of_revision(rev: str, model):
+    """Build the decode stack of `rev` (a git revision or a source tree) over `model`'s weights."""
+    tree, name = source_tree(rev)
     ext = load_cpp_extension(name, tree / "pagedllm" / "model" / "csrc" / "decode_stack.cpp")
     current = decode_stack.load
     decode_stack.load = lambda: ext
@@ -53,10 +62,11 @@ def stack_of_revision(rev: str, model):
 
 
 def main() -> None:
-    rev, rounds = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 120
+    args = sys.argv[1:]
+    rounds = int(args.pop()) if len(args) > 1 and args[-1].isdigit() else 120
     llm = LLM(show_progress=False, quantization="gguf")
     model = llm.llm_engine.model
-    stacks = {"this checkout": model.decode_stack, rev: stack_of_revision(rev, model)}
+    stacks = {"this checkout": model.decode_stack} | {rev: stack_of_revision(rev, model) for rev in args}
 
     captured = []
     calls = 0
