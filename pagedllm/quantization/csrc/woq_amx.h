@@ -123,6 +123,10 @@ inline void dequantize_tile(const uint8_t* codes, const S* scale, const S* min, 
 // 19.0 / 17.6 ms (512 B about the same, 2-4 KB no better).
 constexpr int64_t kAmxPrefetchBytes = 1024, kAmxPrefetchGroups = 4;
 
+// At up to 32 rows of x, each k-step's B tiles are made kAhead k-steps before their products, into a ring
+// of kRing k-steps (woq_gemm)
+constexpr int64_t kRing = 4, kAhead = 2;
+
 // How many bytes of dequantized weights (blocks of 32 output columns) are made at once when x has more
 // than 64 rows: they stay in L2 while every 32 rows of x pass over them (7 blocks at K = 576, 2 at 1536).
 constexpr int64_t kStripBytes = 256 * 1024;
@@ -169,22 +173,26 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& cod
   const int64_t tiles_per_block = ksteps * 2 * kTile;  // 16-row bf16 tile rows of one block's K x 32 weights
   const int64_t block_code_bytes = 2 * (K / 2) * code_row_bytes;  // codes of one block (two n-subtiles)
   // n-subtile ns (of block ns / 2) at k-step ks dequantized into that block's tiles
-  auto dequantize_subtile = [&](__m512bh* tiles, int64_t ns, int64_t ks) {
-    const int64_t g = ks * kKStep / group_size;
+  auto dequantize_subtile_to = [&](__m512bh* dst, int64_t ns, int64_t ks) {
+    const int64_t g = group_size == kKStep ? ks : ks * kKStep / group_size;  // (no division for GGUF's blocks)
     const uint8_t* c = cp + ns * (K / 2) * code_row_bytes + ks * kTile * code_row_bytes;
     // codes, scales and mins come from L3 / DRAM: ask for them ahead (as the gemv kernel does)
     for (int64_t line = 0; line < kTile * code_row_bytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(c + kAmxPrefetchBytes + line), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(sp + (ns * groups + g + kAmxPrefetchGroups) * kTile), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(mp + (ns * groups + g + kAmxPrefetchGroups) * kTile), _MM_HINT_T0);
-    dequantize_tile<BITS, S>(c, sp + (ns * groups + g) * kTile, mp + (ns * groups + g) * kTile,
-                             tiles + (ks * 2 + ns % 2) * kTile);
+    dequantize_tile<BITS, S>(c, sp + (ns * groups + g) * kTile, mp + (ns * groups + g) * kTile, dst);
+  };
+  // ... into its place among a block's tiles (k-step by k-step, two n-subtiles each)
+  auto dequantize_subtile = [&](__m512bh* tiles, int64_t ns, int64_t ks) {
+    dequantize_subtile_to(tiles + (ks * 2 + ns % 2) * kTile, ns, ks);
   };
   auto subtiles_end = [&](int64_t nb) { return std::min(nb * 2 + 2, nsub_total); };
   at::parallel_for(0, nblocks, grain, [&](int64_t nb_begin, int64_t nb_end) {
     load_tile_config();
-    // dequantized weights: strip_blocks blocks (a prefill), or two blocks taking turns (below)
-    __m512bh* const strip = strip_buffer(size_t(std::max<int64_t>(strip_blocks, 2) * tiles_per_block));
+    // dequantized weights: strip_blocks blocks (a prefill), two blocks taking turns, or a ring of k-steps
+    __m512bh* const strip =
+        strip_buffer(size_t(std::max(std::max<int64_t>(strip_blocks, 2) * tiles_per_block, kRing * 2 * kTile)));
     // C tiles land in one of two buffers and are rounded into out one block later: a block's conversion
     // then runs while the AMX unit works on the next block, instead of waiting on its own tile stores
     alignas(64) float cbuf[2][4][kTile * kTile];
@@ -209,9 +217,10 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& cod
         }
       pending[b].m0 = -1;
     };
-    // rows m0.. (16 or 32) of x times block nb, whose dequantized tiles start at `tiles`; between(ks) runs
-    // after each k-step's tile products are issued, while the AMX unit works on them
-    auto block_products = [&](const __m512bh* tiles, int64_t m0, int64_t nb, auto&& between) {
+    // rows m0.. (16 or 32) of x times block nb, whose dequantized tiles at k-step ks start at tiles_at(ks)
+    // (two n-subtiles' B tiles, one after the other); between(ks) runs after each k-step's tile products are
+    // issued, while the AMX unit works on them
+    auto block_products_at = [&](auto&& tiles_at, int64_t m0, int64_t nb, auto&& between) {
       const int msubs = m0 + kTile < Mp ? 2 : 1;
       const int nsubs = nb * 2 + 1 < nsub_total ? 2 : 1;
       const uint8_t* a0 = rows_at(m0);
@@ -221,11 +230,12 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& cod
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t ks = 0; ks < ksteps; ++ks) {
-        _tile_loadd(6, tiles + ks * 2 * kTile, 64);
+        const __m512bh* b = tiles_at(ks);
+        _tile_loadd(6, b, 64);
         _tile_loadd(4, a0 + ks * 64, K * 2);
         _tile_dpbf16ps(0, 4, 6);
         if (nsubs == 2) {
-          _tile_loadd(7, tiles + (ks * 2 + 1) * kTile, 64);
+          _tile_loadd(7, b + kTile, 64);
           _tile_dpbf16ps(1, 4, 7);
         }
         if (msubs == 2) {
@@ -243,6 +253,20 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& cod
       pending[cur] = Pending{m0, nb * 2, msubs, nsubs};
       cur ^= 1;
     };
+    auto block_products = [&](const __m512bh* tiles, int64_t m0, int64_t nb, auto&& between) {
+      block_products_at([&](int64_t ks) { return tiles + ks * 2 * kTile; }, m0, nb, between);
+    };
+    // asks, a k-step's share at a time, for the codes of block na (if this thread has it) while block
+    // products run: what the products of that block will read from L3 / DRAM
+    auto prefetch_block = [&](int64_t na) {
+      const uint8_t* ahead = cp + na * block_code_bytes;
+      const int64_t lines = na < nb_end ? (subtiles_end(na) - na * 2) * (K / 2) * code_row_bytes / 64 : 0;
+      const int64_t per_step = (lines + ksteps - 1) / ksteps;
+      return [=](int64_t ks) {
+        for (int64_t i = ks * per_step; i < std::min(lines, (ks + 1) * per_step); ++i)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + i * 64), _MM_HINT_T0);
+      };
+    };
     if (strip_blocks > 1) {
       for (int64_t sb = nb_begin; sb < nb_end; sb += strip_blocks) {
         const int64_t sb_end = std::min(sb + strip_blocks, nb_end);
@@ -254,28 +278,48 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& cod
           for (int64_t nb = sb; nb < sb_end; ++nb)
             block_products(strip + (nb - sb) * tiles_per_block, m0, nb, [](int64_t) {});
       }
+    } else if (Mp <= 2 * kTile) {
+      // Up to 32 rows of x (a decode step): one pass over them, so each k-step's B tiles are used once,
+      // right after they are made. They are made kAhead k-steps ahead, between the tile products, into a
+      // ring of kRing k-steps (8 KB) that stays in L1, instead of a whole block ahead into two block-sized
+      // buffers (2 x 36 KB at K = 576) that spilled to L2: each tile row then cost a write-allocate and a
+      // read back from L2. The same tiles, so the same products. Codes of block nb + 3 asked for as below
+      // (nb + 2, 4 or 6: the same). Old and new alternated: the 120 4-bit layers at 32 rows 9.21 -> 8.37 ms
+      // (8 rows 8.18 -> 7.38), the 8-bit lm_head 2.54 -> 2.38 ms; a captured W32 step's layers 20.65 -> 19.89.
+      const int64_t items = (nb_end - nb_begin) * ksteps;  // (block, k-step) in the order they are multiplied
+      auto ring_slot = [&](int64_t i) { return strip + (i % kRing) * 2 * kTile; };
+      auto dequantize_item = [&](int64_t i) {
+        const int64_t nb = nb_begin + i / ksteps, ks = i % ksteps;
+        for (int64_t ns = nb * 2; ns < subtiles_end(nb); ++ns)
+          dequantize_subtile_to(ring_slot(i) + (ns % 2) * kTile, ns, ks);
+      };
+      for (int64_t i = 0; i < std::min(kAhead, items); ++i) dequantize_item(i);
+      for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
+        const int64_t first = (nb - nb_begin) * ksteps;
+        auto prefetch = prefetch_block(nb + 3);
+        block_products_at([&](int64_t ks) { return ring_slot(first + ks); }, 0, nb, [&](int64_t ks) {
+          prefetch(ks);
+          if (first + ks + kAhead < items) dequantize_item(first + ks + kAhead);
+        });
+      }
     } else {
-      // One block at a time (up to 64 rows of x), in two buffers taking turns: while the AMX unit multiplies
-      // block nb, the core dequantizes block nb + 1, a k-step between each k-step's tile products, and asks
-      // for block nb + 3's codes (nb + 2: a third less gain in a decode step, where the attention between
-      // the products leaves the weights to come from memory). Dequantizing a block and then multiplying it
-      // left the AMX unit idle during the one and the core during the other. The same tiles, so the same
-      // products. 120 4-bit layers at 32 rows back to back: 13.9 -> 11.5 ms, the 8-bit lm_head 3.6 -> 3.1;
-      // a whole W32 decode step's layers: 33.7 -> 32.4 ms.
+      // One block at a time (33-64 rows of x: two passes over a block), in two buffers taking turns: while the
+      // AMX unit multiplies block nb, the core dequantizes block nb + 1, a k-step between each k-step's tile
+      // products, and asks for block nb + 3's codes (nb + 2: a third less gain in a decode step, where the
+      // attention between the products leaves the weights to come from memory). Dequantizing a block and
+      // then multiplying it left the AMX unit idle during the one and the core during the other. The same
+      // tiles, so the same products. 120 4-bit layers at 32 rows back to back: 13.9 -> 11.5 ms, the 8-bit
+      // lm_head 3.6 -> 3.1; a whole W32 decode step's layers: 33.7 -> 32.4 ms.
       for (int64_t ns = nb_begin * 2; ns < subtiles_end(nb_begin); ++ns)
         for (int64_t ks = 0; ks < ksteps; ++ks) dequantize_subtile(strip, ns, ks);
       for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
         __m512bh* tiles = strip + ((nb - nb_begin) & 1) * tiles_per_block;
         __m512bh* next = strip + ((nb - nb_begin + 1) & 1) * tiles_per_block;
-        const int64_t na = nb + 3;  // the block whose codes are asked for meanwhile
-        const uint8_t* ahead = cp + na * block_code_bytes;
-        const int64_t ahead_lines = na < nb_end ? (subtiles_end(na) - na * 2) * (K / 2) * code_row_bytes / 64 : 0;
-        const int64_t lines_per_step = (ahead_lines + ksteps - 1) / ksteps;
+        auto prefetch = prefetch_block(nb + 3);
         for (int64_t m0 = 0; m0 < Mp; m0 += 2 * kTile)
           block_products(tiles, m0, nb, [&](int64_t ks) {
             if (m0 > 0 || nb + 1 == nb_end) return;
-            for (int64_t i = ks * lines_per_step; i < std::min(ahead_lines, (ks + 1) * lines_per_step); ++i)
-              _mm_prefetch(reinterpret_cast<const char*>(ahead + i * 64), _MM_HINT_T0);
+            prefetch(ks);
             for (int64_t ns = (nb + 1) * 2; ns < subtiles_end(nb + 1); ++ns) dequantize_subtile(next, ns, ks);
           });
       }
