@@ -181,3 +181,22 @@ def test_bf16_decode_kernel_against_float32_reference(kernel, lens, heads, kv_he
     got = kernel.paged_decode(q, cache, tables, seq_lens, hd**-0.5)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_bf16_rounding_keeps_denormals_and_writes_nan_as_c10_does(ops):
+    # bf16_vec.h rounds with VCVTNEPS2BF16 except in 16-lane chunks holding a denormal or a NaN, which that
+    # instruction flushes to zero or writes with its payload: torch keeps the denormal, and c10's rounding
+    # writes any NaN as 0x7FC0 (ATen's vector loops write 0xFFFF: either is a NaN)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 96, generator=g).to(torch.bfloat16)
+    x[0, ::7] = torch.tensor([1e-39, -3e-40, 5e-41]).repeat(5)[:14].to(torch.bfloat16)  # denormal in bf16
+    x[1, 5] = torch.tensor(0x7F81, dtype=torch.int16).view(torch.bfloat16)  # a signalling NaN with a payload
+    zeros, ones = torch.zeros_like(x), torch.ones_like(x)
+    total, _ = ops.add_rms_norm(x, zeros, torch.ones(96, dtype=torch.bfloat16), 1e-5)
+    silu = ops.silu_mul(torch.cat([x, ones], dim=1))  # silu(tiny) * 1: denormal products
+    for got, want in ((total, zeros + x), (silu, F.silu(x) * ones)):
+        bits, want_bits = got.view(torch.int16), want.view(torch.int16)
+        assert (got[0] != 0).sum() > (x[0] == 0).sum()  # the denormals were not flushed
+        assert torch.equal(bits[[0, 2, 3]], want_bits[[0, 2, 3]])
+        assert torch.equal(bits[1, :5], want_bits[1, :5]) and torch.equal(bits[1, 6:], want_bits[1, 6:])
+        assert bits[1, 5].item() == 0x7FC0

@@ -30,13 +30,23 @@ inline __m512 widen(__m256i bits) {
 
 inline __m512 load(const c10::BFloat16* p, __mmask16 k) { return widen(_mm256_maskz_loadu_epi16(k, p)); }
 
-// bf16 bits of x, as c10::detail::round_to_nearest_even computes them
-inline __m256i round_bits(__m512 x) {
+// bf16 bits of x, as c10::detail::round_to_nearest_even computes them, in integer arithmetic
+inline __m256i round_bits_exact(__m512 x) {
   const __m512i u = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
   const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
   return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0)));
+}
+
+// The same bits. VCVTNEPS2BF16 rounds to nearest even as c10 does, in one instruction instead of eight,
+// but flushes denormal inputs to zero and keeps a NaN's payload where c10 writes 0x7FC0: a chunk holding
+// either takes the integer path (fpclass 0xA1: quiet NaN, signalling NaN, denormal).
+inline __m256i round_bits(__m512 x) {
+#ifdef __AVX512BF16__
+  if (_mm512_fpclass_ps_mask(x, 0xA1) == 0) return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+#endif
+  return round_bits_exact(x);
 }
 
 // float(bf16(x)): the rounding a torch op's bf16 output applies, kept in float for the next step
