@@ -50,7 +50,7 @@ timed(engine.scheduler, "schedule", "schedule")
 timed(engine.runner, "prepare_inputs", "prepare inputs")
 timed(model, "forward", "model (decoder layers)")
 timed(model, "compute_logits", "lm_head")
-timed(model_runner, "sample", "sample")
+timed(model_runner, "sample_requests", "sample")
 steps = 100
 start = time.perf_counter()
 for _ in range(steps):
