@@ -96,17 +96,18 @@ def test_amx_kernel_equals_dequantize_reference(bits, group_size, rows):
 
 @needs_amx
 @pytest.mark.parametrize("bits", [4, 8])
-def test_amx_kernel_prefill_strips_equal_row_chunks(bits):
+@pytest.mark.parametrize("rows", [150, 900])
+def test_amx_kernel_prefill_strips_equal_row_chunks(bits, rows):
     """Above 64 rows the kernel dequantizes several column blocks at a time (256 KB: 2 blocks at K = 2048,
-    so 7 blocks make strips of 2, 2, ... and a last one of 1) and passes x over them; each output is
-    the same sum as when 32 rows at a time meet one block at a time."""
+    so 7 blocks make strips of 2, 2, ... and a last one of 1; from 896 rows 512 KB, strips of 4 and 3) and
+    passes x over them; each output is the same sum as when 32 rows at a time meet one block at a time."""
     k = 2048
     layer = QuantLinear.from_quantized(rtn_quantize_weight(weight(208, k), bits, 64), bias=torch.randn(208))
     layer.pack()
     args = (*layer._amx, layer.bias.to(torch.bfloat16), bits, 64, 208)
-    x = activations(150, k)
+    x = activations(rows, k)
     whole = amx.load().gemm(x, *args)
-    chunks = torch.cat([amx.load().gemm(x[i : i + 32], *args) for i in range(0, 150, 32)])
+    chunks = torch.cat([amx.load().gemm(x[i : i + 32], *args) for i in range(0, rows, 32)])
     assert torch.equal(whole, chunks)
 
 

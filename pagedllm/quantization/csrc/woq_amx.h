@@ -129,7 +129,11 @@ constexpr int64_t kRing = 4, kAhead = 2;
 
 // How many bytes of dequantized weights (blocks of 32 output columns) are made at once when x has more
 // than 64 rows: they stay in L2 while every 32 rows of x pass over them (7 blocks at K = 576, 2 at 1536).
-constexpr int64_t kStripBytes = 256 * 1024;
+// From kLongStripRows rows of x on, strips twice as long: x is read again for every strip, and at a large
+// prefill that costs more than the longer wait before a strip's first products. The model's 120 4-bit
+// layers, 256 against 512 KB alternated: 2,048 rows 264.2 -> 236.8 ms, 956 rows 121.1 -> 115.1 ms; at 100
+// rows 19.7 -> 21.6 ms (worse), at 400-768 rows within noise either way.
+constexpr int64_t kStripBytes = 256 * 1024, kLongStripRows = 896;
 
 // This thread's buffer for n dequantized tile rows, kept from call to call: allocated per call, glibc
 // handed it back to the OS when it was freed and the next call faulted it in again (new pages zeroed by
@@ -165,11 +169,11 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& cod
   const int64_t nblocks = (nsub_total + 1) / 2;  // blocks of 32 output columns (the last may have 16)
   // a task of at least ~64 KB of weight codes before a second thread is woken
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(K * 32 * BITS / 8, 1));
-  // With more than two passes over x's rows (a prefill), blocks are dequantized kStripBytes at a time
+  // With more than two passes over x's rows (a prefill), blocks are dequantized strip_bytes at a time
   // and each 32 rows of x, loaded once into L1, meet all of them: one block at a time streamed all of x
   // from L3 again for every 32 columns (2 MB of x per block at 2,000 rows).
-  const int64_t strip_blocks =
-      Mp > 4 * kTile ? std::clamp<int64_t>(kStripBytes / (K * 2 * kTile * 2), 1, nblocks) : 1;
+  const int64_t strip_bytes = (Mp >= kLongStripRows ? 2 : 1) * kStripBytes;
+  const int64_t strip_blocks = Mp > 4 * kTile ? std::clamp<int64_t>(strip_bytes / (K * 2 * kTile * 2), 1, nblocks) : 1;
   const int64_t tiles_per_block = ksteps * 2 * kTile;  // 16-row bf16 tile rows of one block's K x 32 weights
   const int64_t block_code_bytes = 2 * (K / 2) * code_row_bytes;  // codes of one block (two n-subtiles)
   // n-subtile ns (of block ns / 2) at k-step ks dequantized into that block's tiles
