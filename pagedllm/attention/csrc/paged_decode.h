@@ -134,8 +134,18 @@ inline bool decode_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFl
                         int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale, c10::BFloat16* out) {
   const auto kernel = decode_tasks_bf16_for(D, H / KVH);
   if (!kernel) return false;
-  for_balanced_tasks(lens, B, KVH, [&](int64_t begin, int64_t end) {
-    kernel(q, q_stride, k_cache, v_cache, tables, lens, out, H, KVH, BS, max_blocks, scale, begin, end);
+  // sequences taken in the order of their first block: those that share a cached prefix (the same first
+  // blocks) then come one after another on one thread, and the second reads the shared blocks from L2
+  // (W32's sharers were 12 rows apart, and the other ~1.8 MB read between them had pushed the blocks out).
+  // Each task's arithmetic is unchanged. A captured W32 step's layers, alternated: 28.02 -> 27.74 and
+  // 25.73 -> 25.00 ms
+  std::vector<int64_t> order(B), ordered_lens(B);
+  for (int64_t b = 0; b < B; ++b) order[b] = b;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return tables[a * max_blocks] < tables[b * max_blocks]; });
+  for (int64_t i = 0; i < B; ++i) ordered_lens[i] = lens[order[i]];
+  for_balanced_tasks(ordered_lens.data(), B, KVH, [&](int64_t begin, int64_t end) {
+    kernel(q, q_stride, k_cache, v_cache, tables, lens, out, H, KVH, BS, max_blocks, scale, order.data(), begin, end);
   });
   return true;
 }

@@ -88,8 +88,8 @@ inline void softmax_rows_avx512(float* scores, int64_t rows, int64_t len) {
 template <int64_t D, int64_t G>
 void decode_tasks_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* k_cache,
                        const c10::BFloat16* v_cache, const int64_t* tables, const int64_t* lens, c10::BFloat16* out,
-                       int64_t H, int64_t KVH, int64_t BS, int64_t max_blocks, float scale, int64_t begin,
-                       int64_t end) {
+                       int64_t H, int64_t KVH, int64_t BS, int64_t max_blocks, float scale, const int64_t* order,
+                       int64_t begin, int64_t end) {
   (void)H;  // = G * KVH
   static_assert(D % 32 == 0 && D <= 256, "decode_tasks_bf16: head_dim a multiple of 32 up to 256");
   constexpr int64_t QV = D / 32;  // 512-bit vectors of bf16 in a row
@@ -97,7 +97,7 @@ void decode_tasks_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFlo
   std::vector<float> scores;
   const c10::BFloat16* rows[16];
   for (int64_t task = begin; task < end; ++task) {
-    const int64_t b = task / KVH, h = task % KVH;
+    const int64_t b = order[task / KVH], h = task % KVH;  // task i: the (order[i / KVH], i % KVH) pair
     const int64_t L = lens[b];
     const int64_t* table = tables + b * max_blocks;
     scores.resize(G * L);
