@@ -232,3 +232,16 @@ def test_report_renders_the_gguf_native_runs(tmp_path):
     assert "## The same, with the GGUF weights served natively" in text
     assert "| 400.0 | 800.0 | 1.00 | 10.0 |" in text and "2.00x" in text
     assert "single50:" not in text  # only what ran is shown
+
+
+def test_report_states_the_memory_read_speed_at_both_ends(tmp_path):
+    """The machine's speed of the moment, measured (a shared VM's swings move every absolute figure)."""
+    from pagedllm.bench import report
+
+    now = report.machine_info()
+    assert 0.1 < now["memory_read_gbps"] < 10_000
+    (tmp_path / "machine.json").write_text(json.dumps(now | {"memory_read_gbps": 16.7}))
+    (tmp_path / "machine_end.json").write_text(json.dumps(now | {"memory_read_gbps": 19.4}))
+    text = report.render(tmp_path)
+    assert "memory read speed (`torch.sum` over 512 MB): 16.7 GB/s at the start and 19.4 at the end" in text
+    assert "memory read speed" not in report.render(tmp_path / "empty")  # no machine.json: no probe, no line

@@ -23,8 +23,28 @@ SYSTEMS = {
 FLAGS = ["avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"]
 
 
-def machine_info() -> dict:
-    """CPU model, cores, the SIMD flags that decide bf16 speed, library versions, load right now."""
+def memory_read_gbps(megabytes: int = 512, repeats: int = 5) -> float:
+    """How fast this machine reads memory right now, in GB/s: torch's sum over a float32 buffer larger
+    than the caches, on torch's threads, the median of a few. On a shared VM it moves with the
+    neighbours' load (over 400 MB on the 2-core VM of docs/performance.md: 21.6 GB/s one hour, 16.7 the next),
+    and every absolute figure of a benchmark with it; the ratios measured in the same run do not."""
+    import time
+
+    import torch
+
+    x = torch.ones(megabytes * 2**20 // 4)
+    x.sum()  # pages touched once before timing
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4 / sorted(times)[repeats // 2] / 1e9
+
+
+def machine_info(probe_memory: bool = True) -> dict:
+    """CPU model, cores, the SIMD flags that decide bf16 speed, library versions, load and memory read
+    speed right now (the probe takes about a second)."""
     model, flags = platform.processor() or "unknown", set()
     try:
         for line in open("/proc/cpuinfo"):
@@ -48,8 +68,20 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "versions": versions,
         "loadavg_1m": os.getloadavg()[0],
+        "memory_read_gbps": memory_read_gbps() if probe_memory else None,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
+
+
+def _memory_speed_line(start: dict, end: dict) -> list[str]:
+    if start.get("memory_read_gbps") is None:
+        return []
+    at_end = end.get("memory_read_gbps")
+    return [
+        f"- memory read speed (`torch.sum` over 512 MB): {start['memory_read_gbps']:.1f} GB/s at the start"
+        + (f" and {at_end:.1f} at the end" if at_end is not None else "")
+        + ": on this shared VM it moves with other tenants' load, and every absolute figure below with it."
+    ]
 
 
 def _load(d: Path, name: str) -> dict | None:
@@ -136,7 +168,7 @@ def _llamacpp_note(r: dict) -> list[str]:
 
 
 def render(d: Path) -> str:
-    m = _load(d, "machine.json") or machine_info()
+    m = _load(d, "machine.json") or machine_info(probe_memory=False)
     end = _load(d, "machine_end.json") or {}
     commands = (d / "commands.txt").read_text().strip() if (d / "commands.txt").is_file() else ""
     v = m["versions"]
@@ -167,6 +199,7 @@ def render(d: Path) -> str:
         f"- date: {m['date']}; 1-minute load average {m['loadavg_1m']:.1f} at the start and"
         f" {end.get('loadavg_1m', float('nan')):.1f} at the end (the benchmark itself adds about 1 on 2 cores;"
         " more means other work shared the machine): compare the ratios, measured in the same run.",
+        *_memory_speed_line(m, end),
         f"- CPU: {m['cpu']}, {m['cores']} cores; flags: {', '.join(m['flags']) or 'none of note'}",
         f"- torch threads (OMP_NUM_THREADS, ours and HF alike): {m.get('omp_num_threads') or 'default'}."
         " On a machine shared with other busy processes one thread is several times faster than two"
