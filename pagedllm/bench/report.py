@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 SYSTEMS = {
@@ -28,9 +29,7 @@ def memory_read_gbps(megabytes: int = 512, repeats: int = 5) -> float:
     than the caches, on torch's threads, the median of a few. On a shared VM it moves with the
     neighbours' load (over 400 MB on the 2-core VM of docs/performance.md: 21.6 GB/s one hour, 16.7 the next),
     and every absolute figure of a benchmark with it; the ratios measured in the same run do not."""
-    import time
-
-    import torch
+    import torch  # here, not at the top: rendering a report needs no torch
 
     x = torch.ones(megabytes * 2**20 // 4)
     x.sum()  # pages touched once before timing

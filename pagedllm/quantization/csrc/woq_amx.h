@@ -312,8 +312,8 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& cod
       // products, and asks for block nb + 3's codes (nb + 2: a third less gain in a decode step, where the
       // attention between the products leaves the weights to come from memory). Dequantizing a block and
       // then multiplying it left the AMX unit idle during the one and the core during the other. The same
-      // tiles, so the same products. 120 4-bit layers at 32 rows back to back: 13.9 -> 11.5 ms, the 8-bit
-      // lm_head 3.6 -> 3.1; a whole W32 decode step's layers: 33.7 -> 32.4 ms.
+      // tiles, so the same products. Measured when this path still took 32 rows too (the ring above has them
+      // since): 120 4-bit layers 13.9 -> 11.5 ms, the 8-bit lm_head 3.6 -> 3.1; a W32 step's layers 33.7 -> 32.4.
       for (int64_t ns = nb_begin * 2; ns < subtiles_end(nb_begin); ++ns)
         for (int64_t ks = 0; ks < ksteps; ++ks) dequantize_subtile(strip, ns, ks);
       for (int64_t nb = nb_begin; nb < nb_end; ++nb) {
