@@ -6,15 +6,9 @@ and writes new K/V into the cache at their slots in one call.
 
 from __future__ import annotations
 
-from functools import cache
-from pathlib import Path
-
-from pagedllm.cpp_extension import load_cpp_extension
-
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+from pagedllm import kernels
 
 
-@cache
 def load():
     """The compiled module, or None when it cannot be built here."""
-    return load_cpp_extension("pagedllm_paged_decode", SOURCE)
+    return kernels.load("paged_decode")

@@ -12,22 +12,24 @@ KV cache) takes the model's layer loop.
 
 from __future__ import annotations
 
-from functools import cache
+import logging
 from pathlib import Path
 
 import torch
 
+from pagedllm import kernels
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.cpp_extension import load_cpp_extension
 from pagedllm.model.layers.packed_linear import PackedLinear
 from pagedllm.quantization.linear import QuantLinear
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_stack.cpp"
+logger = logging.getLogger("pagedllm")
 
 
-@cache
 def load():
-    return load_cpp_extension("pagedllm_decode_stack", SOURCE)
+    # it includes the AMX kernels (woq_amx.h), so it is built for the amx tier only; below it the model's
+    # per-op path runs
+    return kernels.load("decode_stack")
 
 
 def _linear_parts(layer) -> tuple[list[torch.Tensor], list[int]] | None:
@@ -42,11 +44,45 @@ def _linear_parts(layer) -> tuple[list[torch.Tensor], list[int]] | None:
     return [*layer._amx, bias], [layer.bits, layer.group_size or layer.in_features, layer.out_features]
 
 
+# What csrc/decode_stack.cpp computes, and nothing else: RMSNorm -> fused qkv (a bias allowed) -> rotate-half
+# rotary from the step's cos/sin -> GQA attention -> o -> add + RMSNorm -> fused gate_up -> SiLU * up -> down.
+FUSED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+_LAYER_PARTS = {
+    "": {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"},
+    "self_attn": {"qkv_proj", "o_proj"},
+    "mlp": {"gate_up_proj", "down_proj"},
+}
+
+
+def unsupported_reason(model) -> str | None:
+    """Why the fused stack cannot compute this model's layers (then the per-op path runs), or None.
+
+    A model feature the C++ stack does not implement (a q/k norm, sliding windows, a MoE block, another
+    norm or activation) must send the model to the layer loop, never be silently dropped: the check is on
+    the architecture and on every module each layer holds, so a new part fails it."""
+    arch = model.config.architecture
+    if arch not in FUSED_ARCHITECTURES:
+        return f"architecture {arch!r} (the fused stack computes {', '.join(FUSED_ARCHITECTURES)})"
+    if getattr(model.config, "sliding_window", None):
+        return "sliding-window attention"
+    for i, layer in enumerate(model.model.layers):
+        for path, allowed in _LAYER_PARTS.items():
+            module = layer.get_submodule(path) if path else layer
+            extra = {name for name, child in module.named_children() if child is not None} - allowed
+            if extra:
+                return f"layer {i} {path or 'block'} has {', '.join(sorted(extra))}, which the fused stack lacks"
+    return None
+
+
 def build_decode_stack(model):
-    """The C++ stack over `model`'s decoder layers, or None where it does not apply: a linear neither in
-    the AMX layout nor prepacked bf16 (fp32 models, CPUs without oneDNN's prepacking; quantized layers on
-    CPUs without AMX), activations other than bf16, or no compiler."""
-    if model.model.embed_tokens.weight.dtype != torch.bfloat16:
+    """The C++ stack over `model`'s decoder layers, or None where it does not apply: a model feature it
+    does not implement (unsupported_reason), a linear neither in the AMX layout nor prepacked bf16
+    (fp32 models, CPUs below the amx tier), activations other than bf16, or no compiler."""
+    if model.model.embed_tokens.weight.dtype != torch.bfloat16 or load() is None:
+        return None
+    reason = unsupported_reason(model)
+    if reason is not None:
+        logger.info("decoder_stack: the per-op layer loop runs (%s)", reason)
         return None
     tensors: list[torch.Tensor] = []
     shapes: list[int] = []

@@ -10,21 +10,19 @@ state), and with PAGEDLLM_NO_CPU_KERNEL=1; QuantLinear then keeps torch's kernel
 from __future__ import annotations
 
 from functools import cache
-from pathlib import Path
 
 import torch
 
-from pagedllm.cpp_extension import load_cpp_extension
+from pagedllm import kernels
 
-SOURCE = Path(__file__).parent / "csrc" / "woq_amx.cpp"
 GEMV_MAX_ROWS = 4  # rows the AVX512-BF16 dot-product kernel (gemv) takes; the AMX tiles above
 
 
 @cache
 def load():
     # woq_amx.h compiles its code without floating-point contraction: w = s*q + m must round twice in
-    # float32, as dequantize_weight() does
-    ext = load_cpp_extension("pagedllm_woq_amx", SOURCE)
+    # float32, as dequantize_weight() does. Built for the amx tier only (its flags name the AMX units).
+    ext = kernels.load("woq_amx")
     if ext is None or not ext.available():
         return None
     return ext

@@ -15,11 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from itertools import chain
-from pathlib import Path
 
 import torch
 
-from pagedllm.cpp_extension import load_cpp_extension
+from pagedllm import kernels
 from pagedllm.sampling_params import SamplingParams
 
 # Temperatures below this are treated as greedy: dividing by them would overflow float32 (vLLM does the same).
@@ -220,7 +219,7 @@ def _greedy_output(logits: torch.Tensor) -> SamplerOutput:
 @cache
 def argmax_kernel():
     """The C++ argmax over CPU logits (csrc/greedy.cpp), or None where it cannot be built."""
-    return load_cpp_extension("pagedllm_greedy", Path(__file__).parent / "csrc" / "greedy.cpp")
+    return kernels.load("greedy")
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -7,23 +7,17 @@ torch code, which rounds the same way.
 
 from __future__ import annotations
 
-from functools import cache
-from pathlib import Path
-
 import torch
 
-from pagedllm.cpp_extension import load_cpp_extension
-
-SOURCE = Path(__file__).parent / "csrc" / "layer_ops.cpp"
+from pagedllm import kernels, ops
 
 
-@cache
 def load():
-    return load_cpp_extension("pagedllm_layer_ops", SOURCE)
+    return kernels.load("layer_ops")
 
 
 def usable(x: torch.Tensor):
     """The ops module when x can go through it (CPU, no autograd), else None."""
     if x.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()):
         return None
-    return load()
+    return load() if ops.backend("layer_ops") != "torch" else None

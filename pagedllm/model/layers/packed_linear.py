@@ -17,26 +17,10 @@ state_dict, quantizers and checkpoints never see it. Only the engine's inference
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 from torch import nn
 
-
-@cache
-def prepacking_available() -> bool:
-    """oneDNN with the prepacked-linear ops (x86 builds of torch); probed once with a tiny matrix."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        w = torch.ones(16, 16, dtype=torch.bfloat16)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
-        y = torch.ops.mkldnn._linear_pointwise(
-            torch.ones(2, 16, dtype=torch.bfloat16), packed, None, "none", [], ""
-        )
-        return bool((y == 16).all())
-    except (RuntimeError, AttributeError):
-        return False
+from pagedllm.ops import prepacking_available  # noqa: F401  (re-exported: fuse.py, tests)
 
 
 class PackedLinear(nn.Module):
