@@ -2,6 +2,11 @@
 
 The model sees one flat batch of new tokens from many sequences; it knows nothing of requests. K/V are
 written to the paged cache at `slot_mapping` and read back through block tables (attention/paged.py).
+
+This is the one definition of the model. Its fast operations are named ops (RMSNorm, rotary,
+silu_and_mul, write_kv, paged_attention, the linears) whose backend the op table (ops.py) picks once for
+this machine; nothing here asks which CPU it runs on. A fused multi-layer kernel (decode_stack.py) may run
+the decoder layers instead of the loop below, when it implements every feature of this model.
 """
 
 from __future__ import annotations
@@ -14,9 +19,9 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged import paged_attention, write_kv
 from pagedllm.config import ModelConfig
 from pagedllm.model import decode_stack
-from pagedllm.model.layers import cpu_ops
+from pagedllm.model.layers.activation import silu_and_mul
 from pagedllm.model.layers.norm import RMSNorm
-from pagedllm.model.layers.rotary import RotaryEmbedding, apply_rotary
+from pagedllm.model.layers.rotary import RotaryEmbedding, rotate
 
 
 class LlamaAttention(nn.Module):
@@ -48,12 +53,7 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        ops = cpu_ops.usable(x)
-        if ops is not None:  # in place: q and k are this step's fresh projections
-            ops.rotary_(q, *rope)
-            ops.rotary_(k, *rope)
-        else:
-            q, k = apply_rotary(q, k, *rope)
+        q, k = rotate(q, k, *rope)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, -1))
@@ -70,14 +70,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x):
         if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x)
-            ops = cpu_ops.usable(gate_up)
-            if ops is not None:
-                return self.down_proj(ops.silu_mul(gate_up))
-            gate, up = gate_up.chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):

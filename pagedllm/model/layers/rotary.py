@@ -1,4 +1,8 @@
-"""Rotary position embeddings (the "rotate half" layout of HF Llama), with llama3-style scaling."""
+"""Rotary position embeddings (the "rotate half" layout of HF Llama), with llama3-style scaling.
+
+`rotate` is the named op the model calls: the C++ kernel in place where the op table (ops.py) chose it,
+else `apply_rotary`, the torch reference (the same roundings).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import math
 
 import torch
 from torch import nn
+
+from pagedllm.model.layers import cpu_ops
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -45,6 +51,17 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, hd] of the step's positions: looked up once a step, used by every layer."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """q [T, H, hd], k [T, kvh, hd] rotated to their positions. The C++ op writes into q and k: callers
+    pass this step's fresh projections, never a tensor someone else holds."""
+    kernel = cpu_ops.usable(q)
+    if kernel is None:
+        return apply_rotary(q, k, cos, sin)
+    kernel.rotary_(q, cos, sin)
+    kernel.rotary_(k, cos, sin)
+    return q, k
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
