@@ -1,7 +1,7 @@
 """From a checkpoint path to a ready model: load weights, build the decoder, quantize if asked.
 
-quantization:
-  None        the checkpoint's weights in `dtype` (a GGUF is dequantized: exactness tests rely on it);
+quantization (the engine's "auto" is resolved first, resolve_quantization):
+  None        the checkpoint's weights in `dtype` (a GGUF is dequantized: `--quantization none`);
               a folder written by `pagedllm quantize` loads its quantized layers as they are
   "int8"      RTN at load, INT8 per output channel
   "int4"      RTN at load, INT4 group-wise along the input, group 32 ("int4-g64", "int4-g128" for others)
@@ -31,15 +31,31 @@ RTN_SCHEMES: dict[str, tuple[int, int | None]] = {
     "int4-g128": (4, 128),
 }
 QUANTIZATION_CHOICES = (*RTN_SCHEMES, "gguf")
+ENGINE_QUANTIZATION_CHOICES = ("auto", "none", *QUANTIZATION_CHOICES)
 
 
-def check_quantization(quantization: str | None) -> None:
-    if quantization is not None and quantization not in QUANTIZATION_CHOICES:
+def check_quantization(quantization: str | None, choices: tuple[str, ...] = QUANTIZATION_CHOICES) -> None:
+    if quantization is not None and quantization not in choices:
         raise InputError(
-            f"quantization {quantization!r} is not supported; use one of {', '.join(QUANTIZATION_CHOICES)} "
+            f"quantization {quantization!r} is not supported; use one of {', '.join(choices)} "
             "(or leave it unset)",
             param="quantization",
         )
+
+
+def resolve_quantization(path: Path, quantization: str | None) -> str | None:
+    """The engine's quantization: "auto" (the default) serves a GGUF file from its own blocks where a
+    quantized-linear kernel runs on this machine (as llama.cpp does; ops.py's table), and anything else as
+    it is stored; "none" (or None) dequantizes a GGUF into the compute dtype; the rest as named."""
+    check_quantization(quantization, ENGINE_QUANTIZATION_CHOICES)
+    if quantization in (None, "none"):
+        return None
+    if quantization != "auto":
+        return quantization
+    from pagedllm import ops
+
+    is_gguf = Path(path).is_file() and Path(path).suffix == ".gguf"
+    return "gguf" if is_gguf and ops.backend("quantized_linear") != "torch" else None
 
 
 def build_model(
@@ -69,7 +85,7 @@ def build_model(
             from pagedllm.quantization.gguf_native import serve_gguf_natively
 
             del ckpt.weights  # float copies of what is about to be replaced
-            served = serve_gguf_natively(model, ckpt.gguf_tensors or {}, config, pack=dtype == torch.bfloat16)
+            served = serve_gguf_natively(model, ckpt.gguf_tensors or {}, config, dtype)
             logger.info("GGUF: %d linear layers served from their blocks", len(served))
         elif quantization is not None:
             from pagedllm.quantization.model import quantize_model

@@ -18,8 +18,9 @@ import logging
 import torch
 from torch import nn
 
+from pagedllm import ops
 from pagedllm.model.decode_stack import build_decode_stack
-from pagedllm.model.layers.packed_linear import PackedLinear, prepacking_available
+from pagedllm.model.layers.packed_linear import PackedLinear
 from pagedllm.quantization.linear import QuantLinear
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ def merge_linears(layers: list[nn.Module]) -> nn.Module | None:
 
 
 def prepack(layer: nn.Module) -> nn.Module:
-    """A PackedLinear for a bf16 CPU nn.Linear, else the layer itself (callers check prepacking_available)."""
+    """A PackedLinear for a bf16 CPU nn.Linear, else the layer itself (callers check the op table)."""
     if (
         type(layer) is nn.Linear
         and layer.weight.dtype == torch.bfloat16
@@ -62,7 +63,7 @@ def prepack(layer: nn.Module) -> nn.Module:
 
 def fuse_for_inference(model: nn.Module) -> None:
     """Merge and prepack in place (idempotent). After it the model serves; it no longer quantizes."""
-    pack = prepacking_available()
+    pack = ops.backend("linear") == "onednn-prepacked"
     merged = 0
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -92,10 +93,10 @@ def fuse_for_inference(model: nn.Module) -> None:
         # (+56 MB on the default model, counted by resident_weight_bytes): 17 -> 12 ms at 32 rows, 1 thread
         model.lm_head = prepack(model.lm_head)
     # merged quantized layers: build their kernel layouts now, so resident bytes are right from the start
-    if model.model.embed_tokens.weight.dtype == torch.bfloat16:
-        for module in model.modules():
-            if isinstance(module, QuantLinear):
-                module.pack()
+    dtype = model.model.embed_tokens.weight.dtype
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.pack(dtype)
     model.decode_stack = build_decode_stack(model)
     logger.debug(
         "fused %d projection groups; bf16 weights prepacked: %s; C++ decode stack: %s",

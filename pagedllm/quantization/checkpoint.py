@@ -203,8 +203,7 @@ def load_quantized(
         layer = QuantLinear.from_codes(
             codes, scales, (-s * zeros.double()).float(), bits, group_size, bias, name
         )
-        if dtype == torch.bfloat16:
-            layer.pack()
+        layer.pack(dtype)
         set_module(model, name, layer)
     # Materialize the float modules only (to_empty on the whole model would wipe the QuantLinear buffers).
     for m in model.modules():

@@ -27,7 +27,6 @@ import torch
 
 from pagedllm.config import ModelConfig
 from pagedllm.model.loader.gguf import unpermute_qk
-from pagedllm.quantization import amx
 from pagedllm.quantization.linear import QuantLinear
 
 BLOCK = 32
@@ -84,7 +83,7 @@ def serve_gguf_natively(
     model: torch.nn.Module,
     gguf_tensors: dict[str, tuple[str, np.ndarray, tuple[int, ...]]],
     config: ModelConfig,
-    pack: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> list[str]:
     """Replace the model's linears whose GGUF type is Q4_0/Q4_1/Q8_0; returns their names."""
     from pagedllm.quantization.model import linear_layer_names, set_module
@@ -97,19 +96,18 @@ def serve_gguf_natively(
         type_name, raw, shape = entry
         old = model.get_submodule(name)
         layer = gguf_quant_linear(name, type_name, raw, shape, config, old.bias)
-        if pack:
-            layer.pack()
+        layer.pack(dtype)
         set_module(model, name, layer)
         replaced.append(name)
     # The lm_head (a tied one is token_embd, Q8_0 in the default model) from its blocks too, as llama.cpp
     # does, but only where a kernel takes it: the dequantize path would rebuild 28M weights every step.
-    # Its bf16 tiles equal the dequantized checkpoint's bf16 lm_head; only the summation order differs.
+    # Its AMX bf16 tiles equal the dequantized checkpoint's bf16 lm_head; only the summation order differs.
     entry = gguf_tensors.get("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight")
-    if pack and entry is not None and entry[0] in NATIVE_TYPES and amx.load() is not None:
+    if entry is not None and entry[0] in NATIVE_TYPES:
         type_name, raw, shape = entry
         head = gguf_quant_linear("lm_head", type_name, raw, shape, config)
-        if head.amx_usable():
-            head.pack()
+        if head.path(32, dtype) != "dequantize":
+            head.pack(dtype)
             model.lm_head = head
             replaced.append("lm_head")
     return replaced

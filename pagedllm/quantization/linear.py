@@ -38,8 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import ops
 from pagedllm.errors import InputError
-from pagedllm.quantization import amx
+from pagedllm.quantization import amx, avx2
 from pagedllm.quantization.pack import pack_int4, unpack_int4
 from pagedllm.quantization.uniform import QuantizedTensor
 
@@ -101,6 +102,7 @@ class QuantLinear(nn.Module):
         self._kernel: str | None = None  # "int4" / "int8" once pack() built a layout
         self._packed: tuple[torch.Tensor, ...] = ()
         self._amx: tuple[torch.Tensor, ...] = ()  # the AMX kernel's codes, scales, mins once built
+        self._avx2: tuple[torch.Tensor, ...] = ()  # the AVX2 kernel's layout once built
 
     # ---- construction ---------------------------------------------------------------------------------
     @classmethod
@@ -194,12 +196,22 @@ class QuantLinear(nn.Module):
     def scales_and_mins(self) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 [out, groups] each, from the stored buffers or, once released, the AMX layout."""
         if self.scales is None:
+            if self._avx2:
+                return self._unpack_avx2()[1:]
             return amx.unpack_groups(self._amx[1]), amx.unpack_groups(self._amx[2])
         return self.scales, self.mins
+
+    def _unpack_avx2(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return avx2.unpack(self._avx2, self.bits, self.out_features, self.in_features, self._group())
+
+    def _group(self) -> int:
+        return self.group_size or self.in_features
 
     def codes(self) -> torch.Tensor:
         """The codes as uint8 [out, in]."""
         if self.qweight is None:
+            if self._avx2:
+                return self._unpack_avx2()[0]
             return amx.unpack_codes(self._amx[0], self.bits)
         if self.bits <= 4:
             return unpack_int4(self.qweight, self.in_features)
@@ -224,16 +236,16 @@ class QuantLinear(nn.Module):
 
     def weight_bytes(self) -> int:
         """Resident bytes: the stored buffers plus the kernel layout when packed."""
-        tensors = [self.qweight, self.scales, self.mins, *self._packed, *self._amx]
+        tensors = [self.qweight, self.scales, self.mins, *self._packed, *self._amx, *self._avx2]
         if self.bias is not None:
             tensors.append(self.bias)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def _release_portable(self) -> None:
-        """Drop the stored codes, scales and mins where the AMX layout holds the same values in another
-        order (no torch kernel is built beside it): 0.75 bytes a weight for INT4, 1 for INT8. codes(),
-        scales_and_mins(), dequantize_weight() and checkpoint.py rebuild them from the AMX layout."""
-        if self._amx and self._kernel != "int8" and self.qweight is not None:
+        """Drop the stored codes, scales and mins where a kernel layout (AMX or AVX2) holds the same values
+        in another order (no torch kernel is built beside it): 0.75 bytes a weight for INT4, 1 for INT8.
+        codes(), scales_and_mins(), dequantize_weight() and checkpoint.py rebuild them from that layout."""
+        if (self._amx or self._avx2) and self._kernel != "int8" and self.qweight is not None:
             self.qweight = self.scales = self.mins = None
 
     # ---- kernels ---------------------------------------------------------------------------------------
@@ -247,8 +259,8 @@ class QuantLinear(nn.Module):
 
     def torch_kernel(self) -> str | None:
         """The torch packed kernel this layer runs for small batches: kernel_kind(), unless it runs on the
-        AMX layout (its gemv kernel takes the small batches, and the codes are then held once)."""
-        return None if self.on_amx_layout() else self.kernel_kind()
+        AMX or AVX2 layout (their kernels take every batch, and the codes are then held once)."""
+        return None if self.on_amx_layout() or self.avx2_usable() else self.kernel_kind()
 
     def on_amx_layout(self) -> bool:
         """Whether bf16 activations go through the AMX layout's kernels (built already, or buildable)."""
@@ -256,17 +268,30 @@ class QuantLinear(nn.Module):
 
     def amx_usable(self) -> bool:
         """Whether the AMX kernel takes this layer (its shape, and a CPU and compiler that have it)."""
-        return amx.supports(self.bits, self.in_features, self.out_features, self.group_size) and (
-            amx.load() is not None
+        return ops.backend("quantized_linear") == "amx" and amx.supports(
+            self.bits, self.in_features, self.out_features, self.group_size
         )
 
-    def pack(self) -> None:
-        """Build the kernel layouts for bf16 activations from the stored form (idempotent); where the AMX
-        layout repeats the stored form, the stored form is released (_release_portable)."""
-        if not self._amx and self.amx_usable():
-            self._amx = amx.pack_codes(self.codes(), self.scales, self.mins, self.bits)
+    def avx2_usable(self) -> bool:
+        """Whether the AVX2 kernel takes this layer (its shape, a CPU tier and compiler that have it)."""
+        return (
+            ops.backend("quantized_linear") in ("amx", "avx2")
+            and avx2.supports(self.bits, self.in_features, self.out_features, self.group_size)
+            and avx2.load() is not None
+        )
+
+    def pack(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Build the kernel layout for activations of `dtype` from the stored form (idempotent); where
+        the layout repeats the stored form, the stored form is released (_release_portable)."""
+        path = self.path(32, dtype)
+        if path in ("gemv", "amx") and not self._amx:
+            codes, (scales, mins) = self.codes(), self.scales_and_mins()
+            self._amx = amx.pack_codes(codes, scales, mins, self.bits)
+        elif path == "avx2" and not self._avx2:
+            codes, (scales, mins) = self.codes(), self.scales_and_mins()
+            self._avx2 = avx2.pack(codes, scales, mins, self.bits)
         kind = self.torch_kernel()
-        if kind is not None and self._kernel is None:
+        if kind is not None and self._kernel is None and dtype == torch.bfloat16:
             self._pack_torch_kernel(kind)
         self._release_portable()
 
@@ -292,12 +317,15 @@ class QuantLinear(nn.Module):
         return torch.addcmul(y, x.float().sum(dim=1, keepdim=True), corr).to(x.dtype)
 
     def path(self, rows: int, dtype: torch.dtype) -> str:
-        """Which implementation multiplies `rows` rows of `dtype`: "gemv", "amx", "int4", "int8" or
-        "dequantize"."""
+        """Which implementation multiplies `rows` rows of `dtype`: "gemv", "amx" (the AMX tier's kernels,
+        bf16), "avx2" (every tier from avx2 up, fp32 or bf16), "int4", "int8" (torch's, bf16) or
+        "dequantize"; the backend comes from the op table (ops.py), the shape decides within it."""
+        if dtype == torch.bfloat16 and self.on_amx_layout():
+            return "gemv" if rows <= amx.GEMV_MAX_ROWS else "amx"
+        if dtype in (torch.float32, torch.bfloat16) and (self._avx2 or self.avx2_usable()):
+            return "avx2"
         if dtype != torch.bfloat16:
             return "dequantize"
-        if self.on_amx_layout():
-            return "gemv" if rows <= amx.GEMV_MAX_ROWS else "amx"
         kind = self.kernel_kind()
         if kind is not None and rows <= KERNEL_MAX_ROWS[kind]:
             return kind
@@ -310,6 +338,10 @@ class QuantLinear(nn.Module):
         if path == "dequantize":
             bias = None if self.bias is None else self.bias.to(x.dtype)
             y = F.linear(x2, self.dequantize_weight(x.dtype), bias)
+        elif path == "avx2":
+            if not self._avx2:
+                self.pack(x.dtype)
+            y = avx2.matmul(x2.contiguous(), self._avx2, self.bias, self.bits, self._group(), self.out_features)
         else:
             amx_path = path in ("gemv", "amx")
             if not (self._amx if amx_path else self._kernel):  # the layout this path reads

@@ -76,7 +76,7 @@ def replace_linears(
     """Install QuantLinear layers from {module name: QuantizedTensor}; returns resident weight bytes.
 
     Each layer keeps the old layer's bias (or `bias`, when one layer is given, e.g. in float32)."""
-    bf16 = _model_dtype(model) == torch.bfloat16
+    dtype = _model_dtype(model)
     for name, qt in quantized.items():
         old = _linear(model, name)
         if tuple(qt.codes.shape) != tuple(old.weight.shape):
@@ -86,8 +86,7 @@ def replace_linears(
             )
         b = bias if bias is not None and len(quantized) == 1 else old.bias
         layer = QuantLinear.from_quantized(qt, bias=None if b is None else b.detach(), name=name)
-        if bf16:
-            layer.pack()  # build the kernel layout now, so weight_bytes() is right from the start
+        layer.pack(dtype)  # build the kernel layout now, so weight_bytes() is right from the start
         set_module(model, name, layer)
     return resident_weight_bytes(model)
 
