@@ -1,24 +1,32 @@
-"""bf16 (the default compute dtype on AVX-512 BF16 CPUs) against fp32 on the default model.
+"""bf16 (the default compute dtype where the CPU has native bf16) against fp32 on the default model.
 
-bf16 keeps 8 significant bits, so where fp32's two best tokens are within a few thousandths of a nat
-the rounding can pick the other one. Measured: two of these prompts agree for all 32 tokens;
-"Once upon a time, in a small village," diverges at token 16, where fp32 rates " known" -0.9474 and
-" a" -0.9523 (margin 0.005) and bf16 picks " a". The test allows a divergence only at such a tie.
+bf16 keeps 8 significant bits: every activation, weight and logit is rounded to them, so the gap
+between fp32's two best tokens moves. Measured on the dequantized default model, 12 prompts x 32 greedy
+tokens, the gap's change at the positions where both runs still agree:
+    avx2 (AMD EPYC Zen 3; ATen's bf16 gemm, widened-bf16 attention): median 0.058, p95 0.185, max 0.38
+    nats over 265 positions; the 6 divergences all came where fp32's margin was 0.049-0.132.
+    amx (Xeon; oneDNN / AMX bf16 GEMMs, AVX512-BF16 attention): these 3 prompts diverged once, at token
+    16 where fp32's margin was 0.005.
+The logits themselves are bf16 (one step is 0.03 at |logit| 4-8, 0.125 at 16-32), so a gap of 0.1 can
+vanish in the last rounding alone: "Once upon a time, in a small village," on avx2, token 5, fp32 rates
+267 at -1.2465 and 4166 at -1.3479 (0.101) while a bf16 prefill gives both -1.3077. So a divergence is
+allowed where fp32's margin is below the largest change measured (0.4 nats), and only to fp32's second
+choice, and at least two of the three prompts must agree for all 32 tokens, on every tier.
 """
 
 from pagedllm import LLM, SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
-NEAR_TIE_NATS = 0.02
+NEAR_TIE_NATS = 0.4
 
 
 def test_bf16_greedy_equals_fp32_for_32_tokens_except_at_near_ties():
-    fp32 = LLM(model="default", dtype="fp32", num_kv_blocks=64, show_progress=False)
+    fp32 = LLM(model="default", dtype="fp32", quantization="none", num_kv_blocks=64, show_progress=False)
     ref = fp32.generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2), use_tqdm=False
     )
     del fp32
-    bf16 = LLM(model="default", dtype="bf16", num_kv_blocks=64, show_progress=False)
+    bf16 = LLM(model="default", dtype="bf16", quantization="none", num_kv_blocks=64, show_progress=False)
     got = bf16.generate(
         PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False
     )

@@ -9,6 +9,7 @@ import torch
 from model_helpers import paged_prefill_logits
 from tiny_models import save_tiny_qwen2
 
+from pagedllm import ops, platform
 from pagedllm.model.build import build_model
 from pagedllm.model.fuse import fuse_for_inference
 from pagedllm.model.layers.packed_linear import PackedLinear, prepacking_available
@@ -23,8 +24,11 @@ def qwen2_path(tmp_path_factory):
     return save_tiny_qwen2(tmp_path_factory.mktemp("qwen2"))
 
 
-def test_prepacked_linear_is_available_on_this_cpu():
+def test_prepacked_linear_is_chosen_where_bf16_is_native():
+    if not platform.capabilities().native_bf16:
+        pytest.skip(f"tier {platform.capabilities().tier}: no native bf16, so bf16 linears stay on ATen's gemm")
     assert prepacking_available(), "oneDNN prepacked linear missing: bf16 decode loses its fast path"
+    assert ops.backend("linear") == "onednn-prepacked"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -37,15 +41,18 @@ def test_fused_model_gives_the_same_logits(qwen2_path, dtype):
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert not hasattr(attn, "q_proj") and not hasattr(mlp, "gate_proj")
     assert attn.qkv_proj.out_features == 3 * 32 + 2 * 32
-    if dtype == torch.bfloat16:
+    prepacked = dtype == torch.bfloat16 and ops.backend("linear") == "onednn-prepacked"
+    if prepacked:
         assert isinstance(attn.qkv_proj, PackedLinear) and isinstance(mlp.down_proj, PackedLinear)
+    else:
+        assert not isinstance(attn.qkv_proj, PackedLinear)
     got = paged_prefill_logits(model, ids, chunk=20)
     if dtype == torch.bfloat16:
         assert torch.equal(got, want)
     else:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # bf16: the tied lm_head gets its own packed copy of the embedding, and says so
-    lm_head_copy = model.model.embed_tokens.weight.nbytes if dtype == torch.bfloat16 else 0
+    lm_head_copy = model.model.embed_tokens.weight.nbytes if prepacked else 0
     assert resident_weight_bytes(model) == before + lm_head_copy
     fuse_for_inference(model)  # idempotent
     torch.testing.assert_close(paged_prefill_logits(model, ids, chunk=20), got, rtol=0, atol=0)

@@ -69,19 +69,42 @@ def test_bytes_per_token_count_the_scales():
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
 
+# A quantized cache may only flip a token where the bf16 reference itself has a near tie: on avx2 the
+# third prompt's token 5 has bf16's two best tokens one bf16 logit step apart (0.031 nats; the same pair
+# fp32 separates by 0.101), and int8 K/V take fp32's side.
+REF_TIE_NATS = 0.05
+
+
+def _agrees_up_to_ties(got: list[int], ref, n: int) -> bool:
+    """got[:n] equals ref's tokens, or leaves them only where ref's top-2 gap is a near tie, to its second."""
+    for i, (g, r) in enumerate(zip(got[:n], ref.token_ids[:n])):
+        if g != r:
+            top = sorted(ref.logprobs[i].items(), key=lambda kv: -kv[1].logprob)[:2]
+            return top[0][1].logprob - top[1][1].logprob < REF_TIE_NATS and g == top[1][0]
+    return True
+
+
 def test_engine_with_int8_kv_fits_more_blocks_and_matches_bf16():
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ref_llm = LLM(model="default", dtype="bf16", kv_cache_memory="64MiB", show_progress=False)
-    ref = [o.outputs[0].token_ids for o in ref_llm.generate(PROMPTS, params, use_tqdm=False)]
+    ref_llm = LLM(
+        model="default", dtype="bf16", quantization="none", kv_cache_memory="64MiB", show_progress=False
+    )
+    with_logprobs = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    ref = [o.outputs[0] for o in ref_llm.generate(PROMPTS, with_logprobs, use_tqdm=False)]
     assert ref_llm.llm_engine.cache_config.num_blocks == 64 * 2**20 // (16 * 23040)  # 182 bf16 blocks
     del ref_llm
     for kind, agree in (("int8", 24), ("fp8", 4)):
         llm = LLM(
-            model="default", dtype="bf16", kv_cache_memory="64MiB", kv_cache_dtype=kind, show_progress=False
+            model="default",
+            dtype="bf16",
+            quantization="none",
+            kv_cache_memory="64MiB",
+            kv_cache_dtype=kind,
+            show_progress=False,
         )
         assert llm.llm_engine.cache_config.num_blocks == 64 * 2**20 // (16 * 12240)  # 342 blocks: 1.88x
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         for r, g in zip(ref, got):
-            assert g[:agree] == r[:agree], kind
+            assert _agrees_up_to_ties(g, r, agree), (kind, g, r.token_ids)
         stats = llm.llm_engine.get_stats()
         assert stats.num_free_blocks == stats.num_blocks_total

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedllm import planner
+from pagedllm import ops, planner, platform
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.errors import InputError
-from pagedllm.model.build import build_model
+from pagedllm.model.build import build_model, resolve_quantization
 from pagedllm.model.fuse import fuse_for_inference
 from pagedllm.model.loader import resolve_model_path
 from pagedllm.model.tokenizer import Tokenizer
@@ -44,14 +44,9 @@ DEFAULT_KV_CACHE_MEMORY = "1GiB"
 
 
 def default_dtype() -> torch.dtype:
-    """bf16 where the CPU multiplies it natively (AVX-512 BF16 / AMX: about 4x fp32 GEMM), else fp32."""
-    if torch.cuda.is_available():
-        return torch.bfloat16
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return torch.float32
-    return torch.bfloat16 if ("avx512_bf16" in flags or "amx_bf16" in flags) else torch.float32
+    """bf16 where the CPU tier multiplies it natively (avx512_bf16, amx: about 4x fp32 GEMM), else fp32:
+    below that tier bf16 is widened to fp32 for every product, slower than fp32 and less exact."""
+    return torch.bfloat16 if platform.capabilities().native_bf16 else torch.float32
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
@@ -110,7 +105,7 @@ class LLMEngine:
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         kv_cache_dtype: str = "auto",
-        quantization: str | None = None,
+        quantization: str | None = "auto",
         seed: int = 0,
         show_progress: bool = True,
     ):
@@ -131,7 +126,9 @@ class LLMEngine:
         torch.manual_seed(seed)
         path = resolve_model_path(model)
         self.model_path = path
-        self.model, self.model_config = build_model(path, self.dtype, quantization, show_progress)
+        ops.table()  # every kernel this machine's op table picks is built now, never inside a request
+        self.quantization = resolve_quantization(path, quantization)
+        self.model, self.model_config = build_model(path, self.dtype, self.quantization, show_progress)
         fuse_for_inference(self.model)
         cfg = self.model_config
         self.tokenizer = Tokenizer.from_checkpoint(path)
@@ -264,6 +261,21 @@ class LLMEngine:
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
             for cid in ids:
                 self._child_to_group.pop(cid, None)
+
+    def warm_up(self) -> None:
+        """One short prompt through both kinds of step (a prefill, then a decode), so that the first real
+        request does not pay for what a first call sets up (oneDNN primitives, thread pools, lazily built
+        layouts). Its blocks and prefix-cache statistics are given back. The server calls it before
+        /health says 200."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("warm_up() runs before any request")
+        prompt = [self.eos_token_ids[0] if self.eos_token_ids else 0] * min(16, self.max_model_len - 2)
+        self.add_request("__warm_up__", prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        while self.has_unfinished_requests():
+            self.step()
+        manager = self.scheduler.kv_cache_manager
+        manager.block_pool.reset_prefix_cache()
+        manager.prefix_cache_stats = type(manager.prefix_cache_stats)()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)

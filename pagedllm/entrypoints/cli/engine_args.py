@@ -22,7 +22,8 @@ def add_model_args(g) -> None:
         "--dtype",
         default="auto",
         choices=["auto", "bf16", "fp16", "fp32"],
-        help="compute dtype; auto = bf16 on CPUs with AVX-512 BF16, else fp32 (default: auto)",
+        help="compute dtype; auto = bf16 where the CPU has native bf16 (AVX-512 BF16, AMX), else fp32 "
+        "(default: auto; `pagedllm env` shows what this machine gets)",
     )
 
 
@@ -50,7 +51,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="KV cache element type: auto, bf16, fp16, fp32, or int8 / fp8 (quantized, per-token scales)",
     )
-    g.add_argument("--quantization", default=None, help="quantize the weights at load: int8 or int4 (RTN)")
+    g.add_argument(
+        "--quantization",
+        default="auto",
+        help="weights: auto (a GGUF file served from its own quantized blocks where a kernel runs here), "
+        "none (dequantized to --dtype), gguf, or RTN at load: int8, int4, int4-g64, int4-g128 (default: auto)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

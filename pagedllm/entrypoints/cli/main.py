@@ -10,7 +10,7 @@ from pagedllm import __version__
 from pagedllm.errors import InputError
 
 # name -> module under pagedllm.entrypoints.cli; each module defines add_parser() and run().
-SUBCOMMANDS = ["plan", "quant", "quantize", "generate", "chat", "bench", "serve", "eval"]
+SUBCOMMANDS = ["plan", "quant", "quantize", "generate", "chat", "bench", "serve", "eval", "env", "build_kernels"]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,101 @@
+"""`pagedllm env`: what this machine is, what the engine picks on it, and why.
+
+The CPU and its features, the tier the kernels are built for (PAGEDLLM_CPU_ISA caps it), the backend of
+every op (ops.py), the dtype and quantization defaults this machine gets, and the kernel cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from pagedllm import cpp_extension, kernels, ops, platform
+
+FEATURES = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_bf16",
+)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "env",
+        help="this machine's CPU tier, the kernel chosen for each op, and the defaults it gets",
+        description="Show the CPU and its features, the instruction-set tier the kernels are built for "
+        "(cap it with PAGEDLLM_CPU_ISA=avx2|avx512|avx512_bf16|amx), the implementation chosen for each op, "
+        "the dtype and quantization defaults and why, and the kernel cache. Builds any kernel not yet built.",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(run=run)
+    return p
+
+
+def collect() -> dict[str, Any]:
+    caps = platform.capabilities()
+    table = ops.table()
+    bf16 = caps.native_bf16
+    gguf = table["quantized_linear"].backend != "torch"
+    return {
+        "cpu": caps.cpu_model,
+        "features": {f: f in caps.flags for f in FEATURES},
+        "tier": caps.tier,
+        "detected_tier": caps.detected_tier,
+        "capped_by": platform.ISA_ENV if caps.capped_by_env else None,
+        "ops": {c.op: {"backend": c.backend, "detail": c.detail} for c in table.values()},
+        "defaults": {
+            "dtype": "bf16" if bf16 else "fp32",
+            "dtype_why": "native bf16 dot products (avx512_bf16 / amx)"
+            if bf16
+            else "no native bf16 here: bf16 would be widened to fp32 for every product (slower, less exact)",
+            "kv_cache_dtype": "bf16" if bf16 else "fp32",
+            "gguf_quantization": "gguf" if gguf else "none",
+            "gguf_why": f"served from its own blocks by the {table['quantized_linear'].backend} kernel"
+            if gguf
+            else "no quantized-linear kernel here: dequantized once at load",
+        },
+        "kernel_cache": str(cpp_extension.cache_root()),
+        "kernels": {name: kernels.state(name) for name in kernels.KERNELS},
+    }
+
+
+def format_env(info: dict[str, Any]) -> str:
+    lines = [
+        f"CPU            {info['cpu']}",
+        "features       " + " ".join(f for f, on in info["features"].items() if on),
+        f"tier           {info['tier']}"
+        + (
+            f" (capped by {info['capped_by']}; the CPU has {info['detected_tier']})"
+            if info["capped_by"]
+            else ""
+        ),
+        "",
+        "op                 backend            what runs",
+    ]
+    for op, c in info["ops"].items():
+        lines.append(f"{op:<18} {c['backend']:<18} {c['detail']}")
+    d = info["defaults"]
+    lines += [
+        "",
+        f"dtype auto     {d['dtype']} ({d['dtype_why']})",
+        f"KV cache auto  {d['kv_cache_dtype']} (the compute dtype)",
+        f"GGUF weights   --quantization auto = {d['gguf_quantization']} ({d['gguf_why']})",
+        "",
+        f"kernel cache   {info['kernel_cache']}",
+    ]
+    lines += [f"  {name:<14} {state}" for name, state in info["kernels"].items()]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    info = collect()
+    sys.stdout.write((json.dumps(info, indent=2) if args.json else format_env(info)) + "\n")
+    return 0
