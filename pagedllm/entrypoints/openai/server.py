@@ -21,7 +21,6 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pagedllm import __version__
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.entrypoints.openai.cli_args import add_arguments, make_engine
 from pagedllm.entrypoints.openai.errors import error_response, install_error_handlers
@@ -40,6 +39,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.errors import InputError
 from pagedllm.metrics import ServerMetrics
+from pagedllm.version import __version__
 
 logger = logging.getLogger("pagedllm.server")
 
