@@ -1,6 +1,6 @@
 """pagedllm: a readable LLM inference and serving engine with a paged KV cache."""
 
-__version__ = "0.1.0"
+from pagedllm.version import __version__
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.attention.kv_quant import QuantizedKVCache, kv_cache_bytes_per_token, quantize_kv
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged import paged_attention, write_kv
-from pagedllm.quantization.kv import QuantizedKVCache, kv_cache_bytes_per_token, quantize_kv
 
 BS, H, KVH, HD = 16, 6, 2, 32
 

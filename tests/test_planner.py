@@ -171,3 +171,36 @@ def test_capacity_properties(memory, per_request, weights):
     cap = planner.capacity(memory, per_request, weights=weights)
     assert cap.max_concurrent * per_request + cap.leftover_bytes == memory - weights
     assert 0 <= cap.leftover_bytes < per_request
+
+
+# ---- build_plan / format_plan: the report `pagedllm plan` prints, without argparse ------------------
+
+
+def test_build_plan_without_the_cli():
+    p = planner.build_plan(
+        num_layers=40, d_model=5120, seq_len=4096, memory="80GiB", weights=26 * 1024**3, overhead="4GiB"
+    )
+    assert p["kv_bytes_per_request"] == 3_355_443_200
+    assert p["kv_budget_bytes"] == 50 * 1024**3 and p["max_concurrent_requests"] == 16
+    assert "3,355,443,200 bytes (3.125 GiB = 3.355 GB)" in planner.format_plan(p)
+
+
+def test_build_plan_from_a_config_and_its_errors():
+    cfg = ModelConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
+    p = planner.build_plan(config=cfg, model="tiny", model_path="/x/tiny")
+    assert p["seq_len"] == 256 and p["seq_len_from_model"] and p["kv_width"] == 32
+    assert p["num_params"] == planner.param_count(cfg)
+    assert planner.format_plan(p).startswith(f"model tiny (/x/tiny): {p['num_params']:,} parameters")
+    with pytest.raises(InputError, match="nothing to plan"):
+        planner.build_plan()
+    with pytest.raises(InputError, match="not both"):
+        planner.build_plan(config=cfg, weights="1GiB", weight_dtype="int4")

@@ -10,7 +10,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from pagedllm.config import ModelConfig
 from pagedllm.errors import InputError
-from pagedllm.model.loader.gguf import unpermute_qk
+from pagedllm.gguf_layout import unpermute_qk
 from pagedllm.quantization import amx
 from pagedllm.quantization.gguf_native import decode_blocks, gguf_quant_linear
 from pagedllm.quantization.linear import KERNEL_MAX_ROWS, QuantLinear

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention import cpu_kernel
+from pagedllm.attention.kv_quant import QuantizedKVCache
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.quantization.kv import QuantizedKVCache
 
 
 def write_kv(kv_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -24,7 +24,6 @@ class Block:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None  # set once the block is full and registered in the prefix cache
-    last_used: int = 0  # pool clock when last freed (the free queue is ordered by it)
 
 
 @dataclass
@@ -46,7 +45,6 @@ class BlockPool:
         # Head = freed longest ago = evicted first.
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, Block] = {}
-        self._clock = 0
         self._num_cached_free = 0  # kept as a counter so stats stay O(1)
 
     @property
@@ -93,8 +91,6 @@ class BlockPool:
                 raise ValueError(f"block {block.block_id} freed more often than it was taken")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._clock += 1
-                block.last_used = self._clock
                 self.free_queue[block.block_id] = block
                 if block.block_hash is not None:
                     self._num_cached_free += 1

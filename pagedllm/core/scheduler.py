@@ -32,18 +32,6 @@ class SchedulerOutput:
 
 
 @dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    num_cached_free_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-
-
-@dataclass
 class _ForkGroup:
     """Siblings of one n > 1 request that still wait to share the first sibling's prompt blocks."""
 
@@ -329,16 +317,3 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
-
-    def get_stats(self) -> SchedulerStats:
-        kv = self.kv_cache_manager
-        return SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            num_preemptions=self.num_preemptions,
-            kv_cache_usage=kv.usage,
-            num_free_blocks=kv.num_free_blocks,
-            num_cached_free_blocks=kv.num_cached_free_blocks,
-            prefix_cache_queries=kv.prefix_cache_stats.queries,
-            prefix_cache_hits=kv.prefix_cache_stats.hits,
-        )

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm import ops, planner, platform
+from pagedllm.attention.kv_quant import KV_QUANT_DTYPES, kv_cache_bytes_per_token, resolve_kv_cache_dtype
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
@@ -24,7 +25,6 @@ from pagedllm.model.fuse import fuse_for_inference
 from pagedllm.model.loader import resolve_model_path
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedllm.quantization.kv import KV_QUANT_DTYPES, kv_cache_bytes_per_token, resolve_kv_cache_dtype
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.units import format_size, parse_size
 from pagedllm.worker.model_runner import ModelRunner

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from pagedllm.attention.kv_quant import KV_QUANT_DTYPES, QuantizedKVCache, resolve_kv_cache_dtype
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.errors import InputError
-from pagedllm.quantization.kv import KV_QUANT_DTYPES, QuantizedKVCache, resolve_kv_cache_dtype
 
 # torch dtypes the paged attention can already store K/V in (it casts on write and on read).
 

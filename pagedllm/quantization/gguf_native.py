@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from pagedllm.config import ModelConfig
-from pagedllm.model.loader.gguf import unpermute_qk
+from pagedllm.gguf_layout import unpermute_qk
 from pagedllm.quantization.linear import QuantLinear
 
 BLOCK = 32

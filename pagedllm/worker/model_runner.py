@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedllm.attention.kv_quant import QuantizedKVCache, resolve_kv_cache_dtype
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import CacheConfig, ModelConfig
-from pagedllm.quantization.kv import QuantizedKVCache, resolve_kv_cache_dtype
 from pagedllm.worker.sampler import argmax_kernel, sample_requests
 
 

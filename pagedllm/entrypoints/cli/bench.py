@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from pagedllm.entrypoints.cli.engine_args import add_engine_args, engine_kwargs
+from pagedllm.entrypoints.engine_args import add_engine_args, engine_kwargs
 from pagedllm.errors import InputError
 
 PEERS = ["hf", "llama.cpp"]

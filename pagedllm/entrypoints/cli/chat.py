@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedllm.entrypoints.cli.engine_args import add_engine_args, engine_kwargs
+from pagedllm.entrypoints.engine_args import add_engine_args, engine_kwargs
 
 
 def add_parser(subparsers) -> None:

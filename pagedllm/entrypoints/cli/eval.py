@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from pagedllm.entrypoints.cli.engine_args import add_model_args, print_help
+from pagedllm.entrypoints.engine_args import add_model_args, print_help
 
 _EPILOG = """\
 examples:

@@ -6,8 +6,8 @@ import argparse
 import importlib
 import sys
 
-from pagedllm import __version__
 from pagedllm.errors import InputError
+from pagedllm.version import __version__
 
 # name -> module under pagedllm.entrypoints.cli; each module defines add_parser() and run().
 SUBCOMMANDS = ["plan", "quant", "quantize", "generate", "chat", "bench", "serve", "eval", "env", "build_kernels"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pagedllm.entrypoints.cli.engine_args import print_help
+from pagedllm.entrypoints.engine_args import print_help
 from pagedllm.quantization.explain import Explanation, exact_str, explain, to_dict
 
 _EXPLAIN_EPILOG = """\

@@ -5,6 +5,7 @@
     serving_chat.py         POST /v1/chat/completions
     errors.py               OpenAI-shaped error bodies and the exception handlers
     server.py               the FastAPI app, the other routes, and `run_server(args)`
+    cli_args.py             the server's options (shared with `pagedllm serve`) and `make_engine(args)`
 
 This module holds `OpenAIServing`, what both serving classes share: the model-name check, prompt length
 and max_tokens checks, logprob decoding, and merging the output streams of several engine requests.

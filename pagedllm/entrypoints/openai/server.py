@@ -21,8 +21,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pagedllm import __version__
 from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.entrypoints.openai.cli_args import add_arguments, make_engine
 from pagedllm.entrypoints.openai.errors import error_response, install_error_handlers
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -39,6 +39,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.errors import InputError
 from pagedllm.metrics import ServerMetrics
+from pagedllm.version import __version__
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -176,8 +177,6 @@ def run_server(args: argparse.Namespace) -> int:
     """Load the model, then serve until SIGINT/SIGTERM."""
     import uvicorn
 
-    from pagedllm.entrypoints.cli.serve import make_engine
-
     class DrainingServer(uvicorn.Server):
         """On shutdown uvicorn waits for open connections, then cancels them mid-response. Drain the
         engine first instead: stop listening, let in-flight requests finish for up to the timeout and end
@@ -211,8 +210,6 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pagedllm.entrypoints.cli.serve import add_arguments
-
     parser = argparse.ArgumentParser(prog="python -m pagedllm.entrypoints.openai.server")
     add_arguments(parser)
     args = parser.parse_args(argv)

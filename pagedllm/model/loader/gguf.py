@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from pagedllm.config import ModelConfig
 from pagedllm.errors import InputError
+from pagedllm.gguf_layout import unpermute_qk
 from pagedllm.model.loader.hf_config import check_complete
 
 GGUF_MAGIC = b"GGUF"
@@ -247,16 +248,6 @@ def hf_name(gguf_name: str) -> str | None:
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
     return None
-
-
-def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo convert_hf_to_gguf's Q/K row permutation (it interleaves the two rotary halves per head).
-
-    The converter does `w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2)`, so the inverse
-    reads rows as (n_head, rows // n_head // 2, 2) and swaps back.
-    """
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def dequantize_tensor(path: Path, info: GGUFTensorInfo, raw: np.ndarray) -> np.ndarray:

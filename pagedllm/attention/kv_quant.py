@@ -5,6 +5,9 @@ Layout mirrors the float cache, [2, num_blocks, block_size, kv_heads, head_dim] 
 work unchanged. Scales are symmetric (absmax): K and V are centred near zero and a per-token,
 per-head scale follows their range closely, so no zero point is needed. Values are quantized when
 written and dequantized when read; a prompt's own prefill attends to its fresh, unquantized K/V.
+
+It lives with attention, not quantization: it is a cache layout the attention backend reads and writes,
+and it needs nothing from the weight quantizers.
 """
 
 from __future__ import annotations

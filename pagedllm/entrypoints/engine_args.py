@@ -1,4 +1,8 @@
-"""Engine options shared by `generate`, `chat`, `serve` and `bench`."""
+"""Engine options shared by `generate`, `chat`, `serve` and `bench`.
+
+It sits in `entrypoints/`, not `entrypoints/cli/`, because both the CLI and the OpenAI server's
+`python -m` entry point (openai/cli_args.py) build their parsers from it.
+"""
 
 from __future__ import annotations
 

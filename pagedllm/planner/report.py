@@ -1,0 +1,90 @@
+"""format_plan: a build_plan dict as the text `pagedllm plan` prints (exact bytes and their units)."""
+
+from __future__ import annotations
+
+from pagedllm.units import format_size
+
+
+def _size(n: int) -> str:
+    """Exact bytes and the binary unit; the decimal unit too once it reaches a GB."""
+    text = f"{n:,} bytes ({format_size(n)}"
+    if n >= 1000**3:
+        text += f" = {format_size(n, binary=False)}"
+    return text + ")"
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def format_plan(plan: dict) -> str:
+    lines: list[str] = []
+    row = "  {:<26}{}".format
+    if "model" in plan:
+        lines.append(f"model {plan['model']} ({plan['model_path']}): {plan['num_params']:,} parameters")
+    if "kv_bytes_per_token" in plan:
+        shape = f"{plan['num_layers']} layers, kv_width {plan['kv_width']}"
+        if "num_kv_heads" in plan:
+            shape += f" = {plan['num_kv_heads']} KV heads x {plan['head_dim']}"
+        lines.append(f"KV cache in {plan['dtype']} ({plan['bytes_per_element']:g} bytes an element), {shape}")
+        lines.append(
+            row(
+                "per token",
+                f"{_size(plan['kv_bytes_per_token'])} = 2 (K and V) x {plan['num_layers']} layers "
+                f"x {plan['kv_width']} x {plan['bytes_per_element']:g} bytes",
+            )
+        )
+        if "kv_bytes_per_request" in plan:
+            what = _n(plan["seq_len"], "token")
+            if plan.get("seq_len_from_model"):
+                what += " (the model's full context; set --seq-len for your requests)"
+            lines.append(row("per request", f"{_size(plan['kv_bytes_per_request'])} for {what}"))
+            if plan["batch"] > 1:
+                lines.append(row(f"batch of {plan['batch']}", _size(plan["kv_bytes_total"])))
+    if "blocks_per_request" in plan:
+        lines.append(f"paged blocks of {plan['block_size']} tokens")
+        if "block_bytes" in plan:
+            lines.append(row("one block", _size(plan["block_bytes"])))
+        lines.append(
+            row(
+                "one request",
+                f"{_n(plan['blocks_per_request'], 'block')} = {plan['paged_slots_per_request']} slots for "
+                f"{_n(plan['seq_len'], 'token')}: {plan['paged_waste_tokens']} slots unused "
+                f"({plan['last_block_waste_fraction']:.2%} of the last block)",
+            )
+        )
+        if "kv_bytes_reserved_per_request" in plan:
+            lines.append(
+                row(
+                    "",
+                    f"holds {_size(plan['kv_bytes_reserved_per_request'])}, "
+                    f"{plan['paged_waste_bytes']:,} bytes of it unused",
+                )
+            )
+        if "naive_waste_tokens" in plan:
+            naive = f"reserves max_len {plan['max_len']} slots: {plan['naive_waste_tokens']} unused"
+            if "waste_ratio" in plan:
+                naive += f", {plan['waste_ratio']:.1f}x the paged waste"
+            lines.append(row("naive layout", naive))
+    if "memory_bytes" in plan:
+        lines.append(f"memory {_size(plan['memory_bytes'])}")
+        if "weight_bytes" in plan:
+            how = (
+                f" ({plan['num_params']:,} params in {plan['weight_dtype']})"
+                if "weight_dtype" in plan
+                else ""
+            )
+            lines.append(row("weights", _size(plan["weight_bytes"]) + how))
+        if "overhead_bytes" in plan:
+            lines.append(row("overhead", _size(plan["overhead_bytes"])))
+        lines.append(row("KV budget", _size(plan["kv_budget_bytes"])))
+        lines.append(
+            row(
+                "max concurrent requests",
+                f"{plan['max_concurrent_requests']} at {_size(plan['kv_bytes_reserved_per_request'])} each",
+            )
+        )
+        lines.append(row("left idle", _size(plan["leftover_bytes"])))
+    elif "weight_bytes" in plan:
+        lines.append(row("weights", _size(plan["weight_bytes"])))
+    return "\n".join(lines)
