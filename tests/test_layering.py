@@ -13,8 +13,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent / "pagedllm"
 SPLIT_PACKAGES = {"pagedllm.model", "pagedllm.entrypoints"}  # counted by their second level too
 
@@ -35,6 +33,8 @@ LAYERS: list[set[str]] = [
         "pagedllm.outputs",
         "pagedllm.sampling_params",
         "pagedllm.cpp_extension",
+        "pagedllm.ops",  # the op table: which backend each op runs on this machine
+        "pagedllm.kernels",  # the list of C++ kernels and their tiers
     },
     {
         "pagedllm.config",
@@ -46,20 +46,6 @@ LAYERS: list[set[str]] = [
     },
 ]
 
-# The model <-> quantization cycle: quantization/checkpoint.py builds a LlamaForCausalLM (and a Tokenizer)
-# while the model package imports QuantLinear and the quantized loaders. These edges are being removed
-# (another change rewrites those modules); empty this set then. Any edge not listed here that makes a
-# cycle or points upwards fails the test.
-KNOWN_CYCLE_EDGES: set[tuple[str, str]] = {
-    ("pagedllm.quantization.checkpoint", "pagedllm.model.llama"),
-    ("pagedllm.quantization.checkpoint", "pagedllm.model.tokenizer"),
-    ("pagedllm.model.build", "pagedllm.quantization.checkpoint"),
-    ("pagedllm.model.build", "pagedllm.quantization.gguf_native"),
-    ("pagedllm.model.build", "pagedllm.quantization.linear"),
-    ("pagedllm.model.build", "pagedllm.quantization.model"),
-    ("pagedllm.model.decode_stack", "pagedllm.quantization.linear"),
-    ("pagedllm.model.fuse", "pagedllm.quantization.linear"),
-}
 
 
 def _module_name(path: Path) -> str:
@@ -147,13 +133,11 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def _without_known(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    return {m: {t for t in ts if (m, t) not in KNOWN_CYCLE_EDGES} for m, ts in graph.items()}
 
 
 def _package_graph() -> dict[str, set[str]]:
     packages: dict[str, set[str]] = {}
-    for m, targets in _without_known(_graph(module_level_only=False)).items():
+    for m, targets in _graph(module_level_only=False).items():
         packages.setdefault(package_of(m), set()).update(package_of(t) for t in targets)
     return {p: ts - {p} for p, ts in packages.items()}
 
@@ -166,7 +150,7 @@ def test_every_package_has_a_layer():
 
 
 def test_no_module_level_import_cycle():
-    cycle = _find_cycle(_without_known(_graph(module_level_only=True)))
+    cycle = _find_cycle(_graph(module_level_only=True))
     assert cycle is None, "module-level import cycle: " + " -> ".join(cycle)
 
 
@@ -179,15 +163,10 @@ def test_nothing_imports_from_a_higher_layer():
     level = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
     upward = sorted(
         f"{m} -> {t}"
-        for m, targets in _without_known(_graph(module_level_only=False)).items()
+        for m, targets in _graph(module_level_only=False).items()
         for t in targets
         if level.get(package_of(t), len(LAYERS)) < level.get(package_of(m), len(LAYERS))
     )
     assert not upward, "imports from a higher layer:\n  " + "\n  ".join(upward)
 
 
-@pytest.mark.parametrize("edge", sorted(KNOWN_CYCLE_EDGES))
-def test_known_cycle_edges_still_exist(edge):
-    """A listed edge that is gone must leave the list, so the list only ever shrinks to empty."""
-    importer, imported = edge
-    assert imported in _graph(module_level_only=False)[importer], f"{edge} is gone: remove it"

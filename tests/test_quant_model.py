@@ -9,9 +9,9 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.errors import InputError
 from pagedllm.model.build import build_model
 from pagedllm.model.loader import default_model_path, load_checkpoint
+from pagedllm.model.quantized_checkpoint import save_quantized
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.quantization import amx
-from pagedllm.quantization.checkpoint import save_quantized
 from pagedllm.quantization.linear import QuantLinear
 from pagedllm.quantization.model import resident_weight_bytes
 from pagedllm.quantization.rtn import rtn_quantize_weight

@@ -62,7 +62,7 @@ def build_model(
     path: Path, dtype: torch.dtype, quantization: str | None = None, show_progress: bool = True
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     check_quantization(quantization)
-    from pagedllm.quantization.checkpoint import load_quantized, read_quantization_config
+    from pagedllm.model.quantized_checkpoint import load_quantized, read_quantization_config
     from pagedllm.quantization.model import resident_weight_bytes
 
     if Path(path).is_dir() and read_quantization_config(path) is not None:

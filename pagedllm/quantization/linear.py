@@ -6,7 +6,7 @@ Stored form (buffers, the portable truth; `state_dict` holds exactly these):
     scales   float32 [out, groups]      groups = in / group_size (1 for per-channel)
     mins     float32 [out, groups]      w = scales * q + mins  (mins = -s * z for uniform.py's quantizer)
 The affine form w = s*q + m (rather than s*(q - z)) also holds GGUF's Q4_1, whose min is not a whole
-number of steps; uniform.py's integer zero point comes back as z = -m / s (checkpoint.py does that).
+number of steps; uniform.py's integer zero point comes back as z = -m / s (model/quantized_checkpoint.py does that).
 
 Kernel layouts (plain attributes, built by `pack()` for bf16 activations; never saved):
   INT4, group 32/64/128/256: `_weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)` computes
@@ -159,7 +159,7 @@ class QuantLinear(nn.Module):
             )
         scale = qt.scale.reshape(out_features, -1).to(torch.float64)
         z = qt.zero_point.reshape(out_features, -1).to(torch.float64)
-        # m = -s*z rounded once (float64 holds s*z exactly); checkpoint.py recovers z = round(-m / s).
+        # m = -s*z rounded once (float64 holds s*z exactly); quantized_checkpoint.py recovers z = round(-m / s).
         return cls.from_codes(qt.codes, scale.float(), (-scale * z).float(), qt.bits, group_size, bias, name)
 
     @classmethod
@@ -220,7 +220,7 @@ class QuantLinear(nn.Module):
         return self.qweight
 
     def portable_qweight(self) -> torch.Tensor:
-        """The codes as checkpoint.py stores them: pack.py's nibbles for bits <= 4, else uint8 [out, in]."""
+        """The codes as model/quantized_checkpoint.py stores them: pack.py's nibbles for bits <= 4, else uint8 [out, in]."""
         if self.bits <= 4:
             return self.qweight if self.qweight is not None else pack_int4(self.codes())
         return self.codes()
@@ -244,7 +244,7 @@ class QuantLinear(nn.Module):
     def _release_portable(self) -> None:
         """Drop the stored codes, scales and mins where a kernel layout (AMX or AVX2) holds the same values
         in another order (no torch kernel is built beside it): 0.75 bytes a weight for INT4, 1 for INT8.
-        codes(), scales_and_mins(), dequantize_weight() and checkpoint.py rebuild them from that layout."""
+        codes(), scales_and_mins(), dequantize_weight() and quantized_checkpoint.py rebuild them from that layout."""
         if (self._amx or self._avx2) and self._kernel != "int8" and self.qweight is not None:
             self.qweight = self.scales = self.mins = None
 

@@ -75,7 +75,7 @@ def run(args) -> int:
     from pagedllm.errors import InputError
     from pagedllm.model.build import build_model
     from pagedllm.model.loader import resolve_model_path
-    from pagedllm.quantization.checkpoint import save_quantized
+    from pagedllm.model.quantized_checkpoint import save_quantized
     from pagedllm.quantization.linear import QuantLinear, check_layer_shape
     from pagedllm.quantization.model import (
         linear_layer_names,
