@@ -1,0 +1,133 @@
+"""The AVX2 weight-only quantized matmul (csrc/woq_avx2.h): 4- or 8-bit codes with a scale and min per
+group, times activations quantized on the fly to int8 per 32-block, on VPMADDUBSW integer dot products.
+The kernel for every x86 CPU with AVX2 + FMA + F16C and no AMX.
+
+    layout = pack(codes, scales, mins, bits)          # once, at load (the stored copy can then go:
+    codes, scales, mins = unpack(layout, bits, N, K, group_size)   # gives it back bit for bit)
+    y = matmul(x, layout, bias, bits, group_size, N)  # x [M, K] float32 / bf16 -> y [M, N], same dtype
+
+Accuracy: that of rounding x to int8 per 32 elements (csrc/woq_avx2.h states the contract); everything
+after it is exact in int32 or float32.
+
+`load()` returns None below the avx2 tier, without a compiler, or with PAGEDLLM_NO_CPU_KERNEL=1; callers
+then keep the dequantize + F.linear path.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from pagedllm import platform
+from pagedllm.cpp_extension import load_cpp_extension
+from pagedllm.quantization.amx import exact_in_float16
+
+SOURCE = Path(__file__).parent / "csrc" / "woq_avx2.cpp"
+COLS = 8  # output columns a panel (N is padded to a multiple)
+BLOCK = 32  # inputs an activation block; K and every group size are multiples
+
+
+@cache
+def load():
+    """The compiled module, or None where this CPU's tier is below avx2 or it cannot be built."""
+    if not platform.capabilities().at_least("avx2"):
+        return None
+    return load_cpp_extension("pagedllm_woq_avx2", SOURCE, tier="avx2")
+
+
+def supports(bits: int, in_features: int, out_features: int, group_size: int | None) -> bool:
+    """Whether the kernel takes this layer (group_size None: one group a row, per channel)."""
+    group = in_features if group_size is None else group_size
+    return (
+        bits in (4, 8)
+        and in_features > 0
+        and out_features > 0
+        and in_features % BLOCK == 0
+        and group > 0
+        and group % BLOCK == 0
+        and in_features % group == 0
+    )
+
+
+def _by_panel(t: torch.Tensor, panels: int) -> torch.Tensor:
+    """[N, G] -> [panels, G, 8], the padding columns zero."""
+    n, g = t.shape
+    padded = torch.zeros(panels * COLS, g, dtype=torch.float32)
+    padded[:n] = t
+    return padded.view(panels, COLS, g).transpose(1, 2).contiguous()
+
+
+def pack(
+    codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """codes uint8 [N, K] (0..2^bits-1), scales / mins float32 [N, G] -> (codes, scales, mins) in the
+    kernel's layout (csrc/woq_avx2.h): codes uint8 [panels, K/32, 128 (4-bit) | 256 (8-bit)], each panel
+    of 8 output columns interleaved 4 inputs a column; scales / mins [panels, G, 8] in float16 when that
+    holds both exactly (GGUF: 0.25 B a weight less to stream at decode), else float32."""
+    if bits not in (4, 8):
+        raise ValueError(f"avx2.pack: bits must be 4 or 8, got {bits}")
+    n, k = codes.shape
+    if k % BLOCK or scales.shape != mins.shape or scales.shape[0] != n or k % scales.shape[1]:
+        raise ValueError(f"avx2.pack: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} do not fit")
+    panels = -(-n // COLS)
+    c = torch.zeros(panels * COLS, k, dtype=torch.uint8)
+    c[:n] = codes
+    # [panel, column, block, quad, i] -> [panel, block, quad, column, i]: byte 4c + i of quad j's vector
+    c = c.view(panels, COLS, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4)
+    if bits == 4:
+        c = c[:, :, :4] | (c[:, :, 4:] << 4)  # vector v: low nibble k = 4v + i, high nibble k = 16 + 4v + i
+    else:
+        c = c ^ 0x80  # q - 128 as int8's bit pattern
+    c = c.reshape(panels, k // BLOCK, bits * 32).contiguous()
+    s, m = _by_panel(scales.float(), panels), _by_panel(mins.float(), panels)
+    if exact_in_float16(s) and exact_in_float16(m):
+        s, m = s.half(), m.half()
+    return c, s, m
+
+
+def unpack(
+    layout: tuple[torch.Tensor, ...], bits: int, out_features: int, in_features: int, group_size: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pack's layout back to (codes uint8 [N, K], scales float32 [N, G], mins float32 [N, G]) exactly."""
+    codes, s, m = layout
+    panels, blocks = codes.shape[:2]
+    if bits == 4:
+        c = codes.view(panels, blocks, 4, COLS, 4)
+        c = torch.cat((c & 0x0F, c >> 4), dim=2)  # quads 0..3, then 4..7
+    else:
+        c = (codes ^ 0x80).view(panels, blocks, 8, COLS, 4)
+    c = c.permute(0, 3, 1, 2, 4).reshape(panels * COLS, in_features)[:out_features].contiguous()
+
+    def groups(t: torch.Tensor) -> torch.Tensor:
+        return t.float().transpose(1, 2).reshape(panels * COLS, -1)[:out_features].contiguous()
+
+    return c, groups(s), groups(m)
+
+
+def matmul(
+    x: torch.Tensor,
+    layout: tuple[torch.Tensor, ...],
+    bias: torch.Tensor | None,
+    bits: int,
+    group_size: int | None,
+    out_features: int,
+) -> torch.Tensor:
+    """x [M, K] float32 or bf16 (contiguous, M >= 1) @ W^T (+ bias float32 [N]) -> [M, N] in x's dtype."""
+    ext = load()
+    if ext is None:
+        raise RuntimeError("avx2.matmul: the AVX2 kernel is not available here (avx2.load() is None)")
+    codes, s, m = layout
+    k = codes.shape[1] * BLOCK
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"avx2.matmul: x must be float32 or bfloat16, got {x.dtype}")
+    if x.dim() != 2 or x.shape[0] < 1:
+        raise ValueError(f"avx2.matmul: x must be [M, K] with M >= 1, got {tuple(x.shape)}")
+    if x.shape[1] != k:
+        raise ValueError(f"avx2.matmul: x has K = {x.shape[1]}, the layer takes {k}")
+    if not x.is_contiguous():
+        raise ValueError("avx2.matmul: x must be contiguous")
+    if bias is not None and bias.shape != (out_features,):
+        raise ValueError(f"avx2.matmul: bias must be [{out_features}], got {tuple(bias.shape)}")
+    return ext.matmul(x, codes, s, m, bias, bits, k if group_size is None else group_size, out_features)

@@ -1,0 +1,71 @@
+// Bindings of the AVX2 weight-only quantized matmul (woq_avx2.h) for quantization/avx2.py.
+#include <torch/csrc/utils/pybind.h>
+
+#include "woq_avx2.h"
+
+using woq_avx2::kBlock;
+using woq_avx2::kCols;
+
+// x [M, K] float32 or bf16, contiguous; codes / scales / mins in avx2.pack's layout; bias float32 [N] or None.
+// avx2.matmul checks the same with Python errors first; these guard direct use. Returns the bias as float32.
+static at::Tensor check_args(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                             const at::Tensor& mins, const c10::optional<at::Tensor>& bias, int64_t bits,
+                             int64_t group_size, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "woq_avx2: x must be [M, K] float32 or bfloat16");
+  TORCH_CHECK(x.is_contiguous(), "woq_avx2: x must be contiguous");
+  TORCH_CHECK(bits == 4 || bits == 8, "woq_avx2: bits must be 4 or 8");
+  const int64_t M = x.size(0), K = x.size(1), panels = (N + kCols - 1) / kCols;
+  TORCH_CHECK(M >= 1 && N >= 1, "woq_avx2: needs M >= 1 and N >= 1");
+  TORCH_CHECK(K % kBlock == 0 && group_size % kBlock == 0 && group_size > 0 && K % group_size == 0,
+              "woq_avx2: needs K and the group size multiples of 32, K a multiple of the group size");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3 &&
+                  codes.size(0) == panels && codes.size(1) == K / kBlock && codes.size(2) == bits * 32,
+              "woq_avx2: codes do not match x's K, N and bits");
+  TORCH_CHECK(scales.scalar_type() == mins.scalar_type() &&
+                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
+              "woq_avx2: scales and mins must both be float32 or both float16");
+  TORCH_CHECK(scales.is_contiguous() && mins.is_contiguous() && scales.numel() == panels * (K / group_size) * kCols &&
+                  mins.numel() == scales.numel(),
+              "woq_avx2: scales / mins do not match the shape");
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, "woq_avx2: bias must have N elements");
+  }
+  return b;
+}
+
+// Returns x @ W^T (+ bias) as [M, N] in x's dtype.
+at::Tensor matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                  const c10::optional<at::Tensor>& bias, int64_t bits, int64_t group_size, int64_t N) {
+  const at::Tensor b = check_args(x, codes, scales, mins, bias, bits, group_size, N);
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const bool half = scales.scalar_type() == at::kHalf;
+  if (x.scalar_type() == at::kFloat)
+    woq_avx2::matmul_into(x.data_ptr<float>(), M, K, codes.data_ptr<uint8_t>(), scales.data_ptr(), mins.data_ptr(),
+                          half, bits, group_size, bp, N, out.data_ptr<float>());
+  else
+    woq_avx2::matmul_into(x.data_ptr<at::BFloat16>(), M, K, codes.data_ptr<uint8_t>(), scales.data_ptr(),
+                          mins.data_ptr(), half, bits, group_size, bp, N, out.data_ptr<at::BFloat16>());
+  return out;
+}
+
+// The float32-activation alternative for one float32 row (woq_avx2.h's panel_fp32), for measurement.
+at::Tensor gemv_fp32(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                     const c10::optional<at::Tensor>& bias, int64_t bits, int64_t group_size, int64_t N) {
+  const at::Tensor b = check_args(x, codes, scales, mins, bias, bits, group_size, N);
+  TORCH_CHECK(x.size(0) == 1 && x.scalar_type() == at::kFloat, "woq_avx2: gemv_fp32 takes one float32 row");
+  at::Tensor out = at::empty({1, N}, x.options());
+  woq_avx2::gemv_fp32_into(x.data_ptr<float>(), x.size(1), codes.data_ptr<uint8_t>(), scales.data_ptr(),
+                           mins.data_ptr(), scales.scalar_type() == at::kHalf, bits, group_size,
+                           b.defined() ? b.data_ptr<float>() : nullptr, N, out.data_ptr<float>());
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("matmul", &matmul, "x @ (scales * q + mins)^T (+ bias) with int8 activations per 32-block, AVX2");
+  m.def("gemv_fp32", &gemv_fp32, "the same for one float32 row with float32 activations (for comparison)");
+}

@@ -1,0 +1,364 @@
+// Weight-only quantized matmul for AVX2 + FMA + F16C CPUs (every x86 tier below AMX): y = x @ W^T + bias
+// with W = scales * q + mins per group of the input dimension, q 4- or 8-bit codes. Bound for Python in
+// woq_avx2.cpp (quantization/avx2.py); a header so that a fused C++ stack can call matmul_into directly.
+//
+// How: the activations are quantized on the fly to int8 per 32-element block (llama.cpp's Q8_1 idea):
+//     x_k ~ d_b * xq_k,  |xq_k| <= 127,  d_b = max|x| / 127 over block b,
+// and each block's sum is kept, so a group of w = s q + m costs integer dot products and two FMAs:
+//     sum_k x_k (s q_k + m) ~ s * d_b * sum_k q_k xq_k + m * (d_b * sum_k xq_k).
+// The integer dot products run on VPMADDUBSW (u8 x s8 -> pairs summed in int16) + VPMADDWD (-> int32).
+//
+// Accuracy contract: the result is that of the float32 reference x.float() @ (s q + m)^T (+ bias) with x
+// rounded to int8 per 32-block as above (the only approximation; every product and sum after it is exact
+// in int32 or float32 up to float32 summation order). Relative Frobenius error with random normal x is
+// ~4e-3 (tests/test_woq_avx2.py asserts < 1.5e-2 for 4- and 8-bit, every shape, outliers included).
+//
+// Layout (avx2.pack): output columns in panels of 8 (N padded to a multiple of 8 with zero codes/scales),
+// and within a panel each 32-k block is one contiguous run of codes:
+//   4-bit, 128 bytes a block: 4 vectors of 32 bytes; in vector v, byte 4c + i holds column c's codes for
+//          k = 4v + i (low nibble) and k = 16 + 4v + i (high nibble).
+//   8-bit, 256 bytes a block: 8 vectors; in vector j, byte 4c + i holds (q - 128) as int8 for k = 4j + i.
+//   scales, mins: [panels, groups, 8] float16 when float16 holds them exactly (GGUF), else float32.
+// Why this order: one 32-bit broadcast of 4 activation bytes against a 32-byte vector gives the 8 columns'
+// 4-term dot products in 8 separate int32 lanes (VPMADDUBSW then VPMADDWD), so no horizontal sums are ever
+// needed and one unpacked weight vector is reused across up to 4 activation rows held in registers
+// (llama.cpp's repack.cpp interleaves 8 columns for the same reason). 4-bit codes are unsigned 0..15, so
+// they are VPMADDUBSW's unsigned operand as they are; a pair sums to at most 2*15*127 = 3810 and a block's
+// 8 pairs-of-quads to 30480 < 32767, so a whole block accumulates in int16 and widens once. 8-bit codes
+// are stored as q - 128 (signed) and use the abs/sign trick: |w| (<= 128, unsigned) times sign(w) * xq,
+// a pair at most 2*128*127 = 32512, so each product widens to int32 at once.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace woq_avx2 {
+
+constexpr int64_t kCols = 8;    // output columns a panel
+constexpr int64_t kBlock = 32;  // inputs an activation block (and the smallest group)
+constexpr int kMaxRows = 4;     // activation rows a micro-kernel holds in registers (2 x 4 accumulators)
+
+// Decode-time weights come from DRAM and one call is too short for the hardware prefetcher to ramp up, so
+// the loop asks for codes this far ahead (woq_gemv.h found 2 KB worth 2x on the AMX tier). Measured here
+// (121 calls of the default model at M=1, 2 threads, median): see scripts/bench_woq_avx2.py and the
+// figures in avx2.py.
+constexpr int64_t kPrefetchBytes = 2048;
+// For many rows, each thread works through strips of panels whose codes fit in L2 (~this many bytes),
+// running every 4-row block of x over a strip before the next: the weights are unpacked from L1/L2 and
+// each block of 4 quantized rows (4*K bytes) stays in L1 across the strip's panels.
+constexpr int64_t kStripBytes = 48 * 1024;
+
+template <typename S>
+inline __m256 load8(const S* p);
+template <>
+inline __m256 load8<float>(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+template <>
+inline __m256 load8<at::Half>(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+template <>
+inline __m256 load8<at::BFloat16>(const at::BFloat16* p) {
+  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+
+// 4 bytes of activations broadcast to the 8 lanes (one VPBROADCASTD from memory)
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline int32_t hsum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+// One row of x (float32 or bf16, K a multiple of 32) -> int8 codes q [K], block scales d [K/32] and
+// d * (sum of the block's codes) ds [K/32]. Round to nearest even (VCVTPS2DQ); an all-zero block gets d = 0.
+template <typename T>
+inline void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* ds) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = load8(x + b * kBlock + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_and_ps(v[j], abs_mask));
+    }
+    const float am = hmax(amax);
+    const __m256 inv = _mm256_set1_ps(am > 0.f ? 127.f / am : 0.f);
+    __m256i i[4];
+    __m256i sum = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+      sum = _mm256_add_epi32(sum, i[j]);
+    }
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), _mm256_permutevar8x32_epi32(p, order));
+    const float scale = am / 127.f;
+    d[b] = scale;
+    ds[b] = scale * float(hsum(sum));
+  }
+}
+
+// x quantized per 32-block: codes [M, K], scales and scaled sums [M, K/32]
+struct QuantizedX {
+  const int8_t* q;
+  const float* d;
+  const float* ds;
+  int64_t K;
+};
+
+// R rows (row0..row0+R-1) of x times one panel of 8 columns over the whole K, into res[R][8] (float32,
+// no bias). Per block and row: 8 VPMADDUBSW + 7 adds + 1 VPMADDWD (4-bit) then a convert and 2 FMAs.
+template <int BITS, int R, typename S>
+inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes, const S* sc, const S* mn,
+                         int64_t group_blocks, int64_t prefetch_groups, float (*res)[kCols]) {
+  constexpr int64_t kBlockBytes = BITS == 4 ? 128 : 256;
+  const int64_t K = a.K, nb = K / kBlock, groups = nb / group_blocks;
+  const int8_t* xq[R];
+  const float* xd[R];
+  const float* xds[R];
+  for (int r = 0; r < R; ++r) {
+    xq[r] = a.q + (row0 + r) * K;
+    xd[r] = a.d + (row0 + r) * nb;
+    xds[r] = a.ds + (row0 + r) * nb;
+  }
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    _mm_prefetch(reinterpret_cast<const char*>(sc + (g + prefetch_groups) * kCols), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(mn + (g + prefetch_groups) * kCols), _MM_HINT_T0);
+    const __m256 s = load8(sc + g * kCols);
+    __m256 m = load8(mn + g * kCols);
+    // 8-bit codes are stored as q - 128: s q + m = s (q - 128) + (m + 128 s)
+    if constexpr (BITS == 8) m = _mm256_fmadd_ps(_mm256_set1_ps(128.f), s, m);
+    for (int64_t b = g * group_blocks; b < (g + 1) * group_blocks; ++b) {
+      const uint8_t* c = codes + b * kBlockBytes;
+      for (int64_t line = 0; line < kBlockBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchBytes + line), _MM_HINT_T0);
+      __m256i isum[R];
+      if constexpr (BITS == 4) {
+        // the block's 8 unpacked weight vectors stay in registers while each row runs its 8 products
+        // into one int16 chain (an earlier row-interleaved form let GCC build an add tree and spill)
+        __m256i w[8];
+        for (int v = 0; v < 4; ++v) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * v));
+          w[v] = _mm256_and_si256(raw, nibble);
+          w[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = xq[r] + b * kBlock;
+          __m256i p = _mm256_maddubs_epi16(w[0], bcast4(x));
+          for (int j = 1; j < 8; ++j) {
+            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[j], bcast4(x + 4 * j)));
+            asm("" : "+x"(p));  // keep the chain: no reassociation into a tree of spilled products
+          }
+          isum[r] = _mm256_madd_epi16(p, ones);
+        }
+      } else {
+        for (int j = 0; j < 8; ++j) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * j));
+          const __m256i aw = _mm256_abs_epi8(w);
+          for (int r = 0; r < R; ++r) {
+            const __m256i xs = _mm256_sign_epi8(bcast4(xq[r] + b * kBlock + 4 * j), w);
+            const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones);
+            isum[r] = j == 0 ? t : _mm256_add_epi32(isum[r], t);
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(xd[r][b]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xds[r][b]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(res[r], acc[r]);
+}
+
+// float32 -> bf16, round to nearest even (as torch's .to(bfloat16), NaN aside)
+inline __m128i to_bf16(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// res[R][8] (+ bias) into out rows row0.., columns 8p..: a full panel with vector stores, the last one's
+// valid columns one by one.
+template <typename T>
+inline void store_tile(const float (*res)[kCols], int R, int64_t row0, int64_t p, const float* bias, int64_t N,
+                       T* out) {
+  const int64_t n0 = p * kCols, width = std::min<int64_t>(kCols, N - n0);
+  for (int r = 0; r < R; ++r) {
+    T* o = out + (row0 + r) * N + n0;
+    if (width == kCols) {
+      __m256 v = _mm256_loadu_ps(res[r]);
+      if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n0));
+      if constexpr (std::is_same_v<T, float>)
+        _mm256_storeu_ps(o, v);
+      else
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o), to_bf16(v));
+    } else {
+      for (int64_t c = 0; c < width; ++c) o[c] = T(res[r][c] + (bias ? bias[n0 + c] : 0.f));
+    }
+  }
+}
+
+// Panels [p_begin, p_end) for all M rows: strip by strip (kStripBytes of codes), every 4-row block of x
+// over a strip before the next.
+template <int BITS, typename S, typename T>
+void run_panels(const QuantizedX& a, int64_t M, const uint8_t* codes, const S* sc, const S* mn, int64_t group_size,
+                const float* bias, int64_t N, T* out, int64_t p_begin, int64_t p_end) {
+  constexpr int64_t kBlockBytes = BITS == 4 ? 128 : 256;
+  const int64_t nb = a.K / kBlock, groups = a.K / group_size, group_blocks = group_size / kBlock;
+  const int64_t panel_bytes = nb * kBlockBytes;
+  const int64_t strip = std::max<int64_t>(1, kStripBytes / panel_bytes);
+  const int64_t prefetch_groups = std::max<int64_t>(1, kPrefetchBytes / kBlockBytes / group_blocks);
+  alignas(32) float res[kMaxRows][kCols];
+  for (int64_t ps = p_begin; ps < p_end; ps += strip) {
+    const int64_t pe = std::min(ps + strip, p_end);
+    for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
+      const int R = int(std::min<int64_t>(kMaxRows, M - r0));
+      for (int64_t p = ps; p < pe; ++p) {
+        const uint8_t* c = codes + p * panel_bytes;
+        const S* s = sc + p * groups * kCols;
+        const S* m = mn + p * groups * kCols;
+        switch (R) {
+          case 1: panel_kernel<BITS, 1, S>(a, r0, c, s, m, group_blocks, prefetch_groups, res); break;
+          case 2: panel_kernel<BITS, 2, S>(a, r0, c, s, m, group_blocks, prefetch_groups, res); break;
+          case 3: panel_kernel<BITS, 3, S>(a, r0, c, s, m, group_blocks, prefetch_groups, res); break;
+          default: panel_kernel<BITS, 4, S>(a, r0, c, s, m, group_blocks, prefetch_groups, res); break;
+        }
+        store_tile<T>(res, R, r0, p, bias, N, out);
+      }
+    }
+  }
+}
+
+// out [M, N] = x [M, K] (float32 or bf16, rows K apart) @ W^T (+ bias float32 [N] or nullptr), W in the
+// layout above. Threads (torch's pool) split the panels; each task at least ~16 KB of codes x rows.
+template <typename T>
+void matmul_into(const T* x, int64_t M, int64_t K, const uint8_t* codes, const void* scales, const void* mins,
+                 bool half_scales, int64_t bits, int64_t group_size, const float* bias, int64_t N, T* out) {
+  const int64_t nb = K / kBlock, panels = (N + kCols - 1) / kCols;
+  // the quantized activations: K + 8 K/32 bytes a row, reused by every panel
+  static thread_local std::vector<int8_t> q_buf;
+  static thread_local std::vector<float> d_buf;
+  q_buf.resize(M * K);
+  d_buf.resize(2 * M * nb);
+  const QuantizedX a{q_buf.data(), d_buf.data(), d_buf.data() + M * nb, K};
+  int8_t* q = q_buf.data();
+  float* d = d_buf.data();
+  at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) quantize_row(x + r * K, K, q + r * K, d + r * nb, d + M * nb + r * nb);
+  });
+  const int64_t panel_work = nb * (bits == 4 ? 128 : 256) * M;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / panel_work);
+  auto run = [&](auto* sc, auto* mn) {
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(sc)>>;
+    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+      if (bits == 4)
+        run_panels<4, S, T>(a, M, codes, sc, mn, group_size, bias, N, out, begin, end);
+      else
+        run_panels<8, S, T>(a, M, codes, sc, mn, group_size, bias, N, out, begin, end);
+    });
+  };
+  if (half_scales)
+    run(static_cast<const at::Half*>(scales), static_cast<const at::Half*>(mins));
+  else
+    run(static_cast<const float*>(scales), static_cast<const float*>(mins));
+}
+
+// The float32-activation alternative for one row, kept for measurement (avx2.py's bench compares it): the
+// codes become float32 in registers (shift, mask, convert) and FMA with x itself, the scale and min applied
+// per group. Exact up to float32 summation order, but ~4x the instructions of the int8 path a weight
+// (per 8 weights: shift, and, convert, FMA vs a quarter of that), so it cannot keep up with memory.
+template <int BITS, typename S>
+inline void panel_fp32(const float* x, const float* xsum, int64_t K, const uint8_t* codes, const S* sc,
+                       const S* mn, int64_t group_blocks, float* res) {
+  constexpr int64_t kBlockBytes = BITS == 4 ? 128 : 256;
+  const int64_t groups = K / kBlock / group_blocks;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), byte = _mm256_set1_epi32(0xFF);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 d[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = g * group_blocks; b < (g + 1) * group_blocks; ++b) {
+      const uint8_t* c = codes + b * kBlockBytes;
+      for (int64_t line = 0; line < kBlockBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchBytes + line), _MM_HINT_T0);
+      const float* xb = x + b * kBlock;
+      for (int j = 0; j < 8; ++j) {  // quad j: k = 4j .. 4j + 3 of the block
+        __m256i w;
+        if constexpr (BITS == 4) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * (j & 3)));
+          w = j < 4 ? _mm256_and_si256(raw, nibble) : _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+        } else {
+          w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * j)),
+                               _mm256_set1_epi8(char(0x80)));  // back to the unsigned code
+        }
+        for (int i = 0; i < 4; ++i) {
+          const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, 8 * i), byte));
+          d[i] = _mm256_fmadd_ps(q, _mm256_set1_ps(xb[4 * j + i]), d[i]);
+        }
+      }
+    }
+    const __m256 dot = _mm256_add_ps(_mm256_add_ps(d[0], d[1]), _mm256_add_ps(d[2], d[3]));
+    acc = _mm256_fmadd_ps(dot, load8(sc + g * kCols), acc);
+    acc = _mm256_fmadd_ps(load8(mn + g * kCols), _mm256_set1_ps(xsum[g]), acc);
+  }
+  _mm256_storeu_ps(res, acc);
+}
+
+// One float32 row through panel_fp32, the panels split over threads (for the bench's comparison).
+inline void gemv_fp32_into(const float* x, int64_t K, const uint8_t* codes, const void* scales, const void* mins,
+                           bool half_scales, int64_t bits, int64_t group_size, const float* bias, int64_t N,
+                           float* out) {
+  const int64_t groups = K / group_size, panels = (N + kCols - 1) / kCols;
+  std::vector<float> xsum(groups, 0.f);
+  for (int64_t k = 0; k < K; ++k) xsum[k / group_size] += x[k];
+  const int64_t panel_bytes = K / kBlock * (bits == 4 ? 128 : 256);
+  auto run = [&](auto* sc, auto* mn) {
+    at::parallel_for(0, panels, std::max<int64_t>(1, 16384 / panel_bytes), [&](int64_t begin, int64_t end) {
+      alignas(32) float res[1][kCols];
+      for (int64_t p = begin; p < end; ++p) {
+        const auto* s = sc + p * groups * kCols;
+        const auto* m = mn + p * groups * kCols;
+        if (bits == 4)
+          panel_fp32<4>(x, xsum.data(), K, codes + p * panel_bytes, s, m, group_size / kBlock, res[0]);
+        else
+          panel_fp32<8>(x, xsum.data(), K, codes + p * panel_bytes, s, m, group_size / kBlock, res[0]);
+        store_tile<float>(res, 1, 0, p, bias, N, out);
+      }
+    });
+  };
+  if (half_scales)
+    run(static_cast<const at::Half*>(scales), static_cast<const at::Half*>(mins));
+  else
+    run(static_cast<const float*>(scales), static_cast<const float*>(mins));
+}
+
+}  // namespace woq_avx2

