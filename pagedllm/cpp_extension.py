@@ -13,12 +13,14 @@ callers get None and use their pure-torch path (the same results within float ro
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import re
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from pagedllm import platform
@@ -74,6 +76,21 @@ def is_built(name: str, source: Path, tier: str | None = None) -> bool:
     return (folder / f"{module}.so").is_file()
 
 
+@contextmanager
+def _build_lock(folder: Path):
+    """Hold an flock on the build folder while torch builds or loads in it. torch's own `lock` file marks a
+    build in progress, but a builder that was killed leaves it behind and every later process waits on it
+    forever; an flock dies with its process. So whoever holds the flock knows no live builder of ours
+    is in that folder, and removes a leftover `lock`."""
+    with open(folder / ".pagedllm-build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (folder / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def load_cpp_extension(name: str, source: Path, extra_cflags: tuple[str, ...] = (), tier: str | None = None):
     """The compiled module for `tier` (default: this process's), or None when it cannot be built here."""
     if os.environ.get("PAGEDLLM_NO_CPU_KERNEL") == "1":
@@ -92,14 +109,15 @@ def load_cpp_extension(name: str, source: Path, extra_cflags: tuple[str, ...] = 
         from torch.utils.cpp_extension import load as load_extension
 
         start = time.perf_counter()
-        ext = load_extension(
-            name=module,
-            sources=[str(source)],
-            extra_cflags=[*flags, *extra_cflags],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(folder),
-            verbose=False,
-        )
+        with _build_lock(folder):
+            ext = load_extension(
+                name=module,
+                sources=[str(source)],
+                extra_cflags=[*flags, *extra_cflags],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
+                verbose=False,
+            )
         if fresh:
             logger.info("built %s for %s in %.0f s", name, tier, time.perf_counter() - start)
         return ext
