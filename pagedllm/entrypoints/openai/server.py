@@ -122,7 +122,7 @@ def build_app(
     async def health() -> Response:
         if not engine.is_running:
             return error_response("the engine loop is not running", 503)
-        return Response(status_code=200)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/version")
     async def version() -> VersionResponse:
@@ -173,9 +173,31 @@ def build_app(
     return app
 
 
+class StartupGate:
+    """The ASGI app uvicorn serves from its first second: every request gets 503 with an OpenAI-style body
+    ("the model is loading") until the engine has loaded and warmed up, then everything goes to the real
+    app. So a load balancer sees "not ready" instead of a refused connection, and /health turns 200 only
+    when the first request will be answered as fast as the tenth."""
+
+    def __init__(self) -> None:
+        self.app: ASGIApp | None = None
+        self.async_engine: AsyncEngine | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.app is not None:
+            await self.app(scope, receive, send)
+        elif scope["type"] == "http":
+            await error_response("the model is loading; retry when /health answers 200", 503)(scope, receive, send)
+
+
 def run_server(args: argparse.Namespace) -> int:
-    """Load the model, then serve until SIGINT/SIGTERM."""
+    """Listen at once (503 while loading), load and warm up the model, then serve until SIGINT/SIGTERM."""
+    import threading
+
     import uvicorn
+
+    gate = StartupGate()
+    failure: list[BaseException] = []
 
     class DrainingServer(uvicorn.Server):
         """On shutdown uvicorn waits for open connections, then cancels them mid-response. Drain the
@@ -185,27 +207,42 @@ def run_server(args: argparse.Namespace) -> int:
         async def shutdown(self, sockets: Any = None) -> None:
             for server in self.servers:
                 server.close()
-            await async_engine.shutdown(timeout=args.shutdown_timeout)
+            if gate.async_engine is not None:
+                await gate.async_engine.shutdown(timeout=args.shutdown_timeout)
             await super().shutdown(sockets=sockets)
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    engine = make_engine(args)
-    async_engine = AsyncEngine(engine)
     name = args.served_model_name or args.model
-    app = build_app(
-        async_engine,
-        served_model_names=[name],
-        api_key=args.api_key,
-        model_root=args.model,
-        shutdown_timeout=args.shutdown_timeout,
-    )
-    logger.info("serving %s on http://%s:%d", name, args.host, args.port)
+    # lifespan off: the real app arrives after uvicorn's startup; DrainingServer stops its engine instead
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5
+        gate, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="off"
     )
-    DrainingServer(config).run()
+    server = DrainingServer(config)
+
+    def load() -> None:
+        try:
+            engine = make_engine(args)
+            engine.warm_up()
+            gate.async_engine = AsyncEngine(engine)
+            gate.app = build_app(
+                gate.async_engine,
+                served_model_names=[name],
+                api_key=args.api_key,
+                model_root=args.model,
+                shutdown_timeout=args.shutdown_timeout,
+            )
+            logger.info("ready: serving %s on http://%s:%d", name, args.host, args.port)
+        except BaseException as e:  # a bad option or model: stop the server and report it as the CLI would
+            failure.append(e)
+            server.should_exit = True
+
+    logger.info("loading %s; http://%s:%d answers 503 until it is ready", name, args.host, args.port)
+    threading.Thread(target=load, name="pagedllm-load", daemon=True).start()
+    server.run()
+    if failure:
+        raise failure[0]
     return 0
 
 
