@@ -7,7 +7,8 @@ gate_up 576->3072, down 1536->576) + lm_head 576->49152, 121 calls. For each M:
 against F.linear on the dequantized float32 weight (torch / MKL), with the layout's bytes / the measured
 memory read speed as the bound for M = 1. Old and new alternate in one process; medians.
 
-    python scripts/bench_woq_avx2.py [--rows 1,8,32,256,1024] [--reps 7] [--threads 2] [--cpu-time] [--check]
+    python scripts/bench_woq_avx2.py [--rows 1,8,32,256,1024] [--reps 7] [--threads 2] [--cpu-time] [--min]
+                                     [--check]
 --check first compares every real layer with the float32 reference (relative Frobenius error). At M=1 the
 float32-activation gemv (csrc/woq_avx2.h panel_fp32) is timed too.
 """
@@ -120,7 +121,11 @@ def main() -> None:
         "--cpu-time", action="store_true", help="time by this thread's CPU time (use --threads 1)"
     )
     ap.add_argument("--check", action="store_true")
+    ap.add_argument(
+        "--min", action="store_true", help="the fastest rep instead of the median (a loaded machine)"
+    )
     args = ap.parse_args()
+    pick = min if args.min else statistics.median
     if avx2.load() is None:
         raise SystemExit("the AVX2 kernel is not available on this machine")
     torch.set_num_threads(args.threads)
@@ -134,7 +139,8 @@ def main() -> None:
     with open("/proc/loadavg") as f:
         load = f.read().split()[0]
     print(
-        f"threads {args.threads}, {'CPU' if args.cpu_time else 'wall'} time, load average {load}; "
+        f"threads {args.threads}, {'CPU' if args.cpu_time else 'wall'} time, {'min' if args.min else 'median'} "
+        f"of {args.reps}, load average {load}; "
         f"{len(layers)} calls, layout {total_bytes / 1e6:.1f} MB"
     )
     if args.check:
@@ -161,7 +167,7 @@ def main() -> None:
         for _ in range(reps):
             for name in names:
                 cold[name].append(seconds(fns[name], args.cpu_time))
-        cold = {name: statistics.median(t) for name, t in cold.items()}
+        cold = {name: pick(t) for name, t in cold.items()}
         # hot: one layer of each kind called back to back, times its count
         hot = dict.fromkeys(names, 0.0)
         for idx in kinds.values():
@@ -173,7 +179,7 @@ def main() -> None:
                 for name in names:
                     times[name].append(seconds(fns[name], args.cpu_time))
             for name in names:
-                hot[name] += statistics.median(times[name]) / inner * len(idx)
+                hot[name] += pick(times[name]) / inner * len(idx)
         flops = 2 * rows * macs
         for label, t in (("cold", cold), ("hot ", hot)):
             o, r = t["ours"], t["ref"]

@@ -102,7 +102,7 @@ def test_shapes_float32(bits, k, n, group, exact):
         check(torch.randn(rows, k), codes, scales, mins, bits, group)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 31, 32, 33, 100, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 31, 32, 33, 100, 300])  # every remainder of 8 and 6
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (8, None)])
 def test_rows(rows, bits, group):
     codes, scales, mins = layer(70, 288, bits, group, fp16_exact=group == 32)

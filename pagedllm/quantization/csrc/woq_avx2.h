@@ -8,10 +8,13 @@
 //     sum_k x_k (s q_k + m) ~ s * d_b * sum_k q_k xq_k + m * (d_b * sum_k xq_k).
 // The integer dot products run on VPMADDUBSW (u8 x s8 -> pairs summed in int16) + VPMADDWD (-> int32).
 //
-// Accuracy contract: the result is that of the float32 reference x.float() @ (s q + m)^T (+ bias) with x
-// rounded to int8 per 32-block as above (the only approximation; every product and sum after it is exact
-// in int32 or float32 up to float32 summation order). Relative Frobenius error with random normal x is
-// ~4e-3 (tests/test_woq_avx2.py asserts < 1.5e-2 for 4- and 8-bit, every shape, outliers included).
+// Accuracy contract: the result is the float32 reference x.float() @ (s q + m)^T (+ bias) with x rounded
+// to int8 per 32-block as above, and nothing else: every product and sum after that rounding is exact in
+// int32, or float32 up to summation order. tests/test_woq_avx2.py asserts both halves for every case:
+// relative Frobenius error < 1e-5 against the reference computed on x rounded the same way (5e-3 with bf16
+// output), and < 1.5e-2 against the float32 reference with random normal x (typically 2e-3 to 7e-3; one
+// value 100x the rest of its block included). The fp32-activation gemv below is < 1e-5 (kept for
+// measurement, not used: slower).
 //
 // Layout (avx2.pack): output columns in panels of 8 (N padded to a multiple of 8 with zero codes/scales),
 // and within a panel each 32-k block is one contiguous run of codes:
@@ -21,12 +24,12 @@
 //   scales, mins: [panels, groups, 8] float16 when float16 holds them exactly (GGUF), else float32.
 // Why this order: one 32-bit broadcast of 4 activation bytes against a 32-byte vector gives the 8 columns'
 // 4-term dot products in 8 separate int32 lanes (VPMADDUBSW then VPMADDWD), so no horizontal sums are ever
-// needed and one unpacked weight vector is reused across up to 4 activation rows held in registers
+// needed and one unpacked weight vector is reused across up to 8 activation rows (kRows)
 // (llama.cpp's repack.cpp interleaves 8 columns for the same reason). 4-bit codes are unsigned 0..15, so
 // they are VPMADDUBSW's unsigned operand as they are; a pair sums to at most 2*15*127 = 3810 and a block's
-// 8 pairs-of-quads to 30480 < 32767, so a whole block accumulates in int16 and widens once. 8-bit codes
-// are stored as q - 128 (signed) and use the abs/sign trick: |w| (<= 128, unsigned) times sign(w) * xq,
-// a pair at most 2*128*127 = 32512, so each product widens to int32 at once.
+// 8 products to 8 * 3810 = 30480 < 32767, so a whole block accumulates in int16 and widens once. 8-bit
+// codes are stored as q - 128 (signed) and use the abs/sign trick: |w| (<= 128, unsigned) times
+// sign(w) * xq, a pair at most 2*128*127 = 32512, so each product widens to int32 at once.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -44,17 +47,33 @@ namespace woq_avx2 {
 
 constexpr int64_t kCols = 8;    // output columns a panel
 constexpr int64_t kBlock = 32;  // inputs an activation block (and the smallest group)
-constexpr int kMaxRows = 4;     // activation rows a micro-kernel holds in registers (2 x 4 accumulators)
+// Activation rows a micro-kernel runs against each unpacked weight vector: the unpacking (and for 8-bit
+// the |w|), the scale and min loads and the loop are shared by that many rows. One thread, CPU time,
+// GFLOP/s at M = 32 / 256 (576 -> 3072 Q4_1; 576 -> 8192 Q8_0):
+//     4-bit  R=4 123 / 122   R=6 119 / 115   R=8 136 / 133
+//     8-bit  R=4  88 /  89   R=6  98 / 102   R=8  94 /  98
+// (8 rows' accumulators and the 8 unpacked vectors do not all fit in 16 registers; it still pays.)
+template <int BITS>
+constexpr int kRows = BITS == 4 ? 8 : 6;
+constexpr int kMaxRows = 8;  // the largest kRows
 
 // Decode-time weights come from DRAM and one call is too short for the hardware prefetcher to ramp up, so
-// the loop asks for codes this far ahead (woq_gemv.h found 2 KB worth 2x on the AMX tier). Measured here
-// (121 calls of the default model at M=1, 2 threads, median): see scripts/bench_woq_avx2.py and the
-// figures in avx2.py.
-constexpr int64_t kPrefetchBytes = 2048;
+// the loop asks for codes this far ahead (woq_gemv.h found 2 KB worth 2x on the AMX tier). Measured here,
+// the default model's 121 calls at M=1 on one thread (CPU time, median of 15, Zen 3 VM at load average 7):
+// none 11.0 ms, 1 KB 9.8, 2 KB 9.4, 4 KB 9.3. Two-thread wall times were all noise at that load.
+#ifndef WOQ_AVX2_PREFETCH
+#define WOQ_AVX2_PREFETCH 2048
+#endif
+constexpr int64_t kPrefetchBytes = WOQ_AVX2_PREFETCH;
 // For many rows, each thread works through strips of panels whose codes fit in L2 (~this many bytes),
-// running every 4-row block of x over a strip before the next: the weights are unpacked from L1/L2 and
-// each block of 4 quantized rows (4*K bytes) stays in L1 across the strip's panels.
-constexpr int64_t kStripBytes = 48 * 1024;
+// running every kRows-row block of x over a strip before the next: the weights are unpacked from L1/L2
+// and each block of quantized rows (kRows * K bytes) stays in L1 across the strip's panels. The size
+// hardly matters (16 / 48 / 192 KB, 4 rows a block: 119-126 GFLOP/s a core at M = 32-1024): the kernel is
+// bound by instructions, not data.
+#ifndef WOQ_AVX2_STRIP
+#define WOQ_AVX2_STRIP (48 * 1024)
+#endif
+constexpr int64_t kStripBytes = WOQ_AVX2_STRIP;
 
 template <typename S>
 inline __m256 load8(const S* p);
@@ -130,7 +149,14 @@ struct QuantizedX {
 };
 
 // R rows (row0..row0+R-1) of x times one panel of 8 columns over the whole K, into res[R][8] (float32,
-// no bias). Per block and row: 8 VPMADDUBSW + 7 adds + 1 VPMADDWD (4-bit) then a convert and 2 FMAs.
+// no bias). Per block and row: 8 VPMADDUBSW + 7 adds + 1 VPMADDWD (4-bit) then a convert, a multiply and 2
+// FMAs; the unpacking (3 ops a weight vector) is shared by the R rows. That is near the floor for AVX2
+// without VNNI (32 products a VPMADDUBSW, each needing an add to be reduced), and the kernel is bound by
+// the count of vector instructions: on one core it runs ~135 GFLOP/s (4-bit) at M >= 32 against MKL's
+// float32 ~80. Measured alternatives (one thread, CPU time): dropping the float32 per-block work (timing only,
+// wrong results) ran 1.45x faster, so the scale and min per 32-block are what is left to pay; replacing
+// VPMADDWD by shifts and adds was slower (118 -> 106 GFLOP/s); the rows interleaved quad by quad instead
+// of one chain a row, the same speed; 32-byte loads instead of the 4-byte broadcasts, the same.
 template <int BITS, int R, typename S>
 inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes, const S* sc, const S* mn,
                          int64_t group_blocks, int64_t prefetch_groups, float (*res)[kCols]) {
@@ -199,6 +225,17 @@ inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(res[r], acc[r]);
 }
 
+// panel_kernel for `rows` (1..kRows<BITS>) rows
+template <int BITS, typename S, int R = 1>
+inline void dispatch_rows(int rows, const QuantizedX& a, int64_t row0, const uint8_t* codes, const S* sc,
+                          const S* mn, int64_t group_blocks, int64_t prefetch_groups, float (*res)[kCols]) {
+  if constexpr (R < kRows<BITS>) {
+    if (rows != R)
+      return dispatch_rows<BITS, S, R + 1>(rows, a, row0, codes, sc, mn, group_blocks, prefetch_groups, res);
+  }
+  panel_kernel<BITS, R, S>(a, row0, codes, sc, mn, group_blocks, prefetch_groups, res);
+}
+
 // float32 -> bf16, round to nearest even (as torch's .to(bfloat16), NaN aside)
 inline __m128i to_bf16(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
@@ -228,7 +265,7 @@ inline void store_tile(const float (*res)[kCols], int R, int64_t row0, int64_t p
   }
 }
 
-// Panels [p_begin, p_end) for all M rows: strip by strip (kStripBytes of codes), every 4-row block of x
+// Panels [p_begin, p_end) for all M rows: strip by strip (kStripBytes of codes), every kRows-row block of x
 // over a strip before the next.
 template <int BITS, typename S, typename T>
 void run_panels(const QuantizedX& a, int64_t M, const uint8_t* codes, const S* sc, const S* mn, int64_t group_size,
@@ -241,18 +278,13 @@ void run_panels(const QuantizedX& a, int64_t M, const uint8_t* codes, const S* s
   alignas(32) float res[kMaxRows][kCols];
   for (int64_t ps = p_begin; ps < p_end; ps += strip) {
     const int64_t pe = std::min(ps + strip, p_end);
-    for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
-      const int R = int(std::min<int64_t>(kMaxRows, M - r0));
+    for (int64_t r0 = 0; r0 < M; r0 += kRows<BITS>) {
+      const int R = int(std::min<int64_t>(kRows<BITS>, M - r0));
       for (int64_t p = ps; p < pe; ++p) {
         const uint8_t* c = codes + p * panel_bytes;
         const S* s = sc + p * groups * kCols;
         const S* m = mn + p * groups * kCols;
-        switch (R) {
-          case 1: panel_kernel<BITS, 1, S>(a, r0, c, s, m, group_blocks, prefetch_groups, res); break;
-          case 2: panel_kernel<BITS, 2, S>(a, r0, c, s, m, group_blocks, prefetch_groups, res); break;
-          case 3: panel_kernel<BITS, 3, S>(a, r0, c, s, m, group_blocks, prefetch_groups, res); break;
-          default: panel_kernel<BITS, 4, S>(a, r0, c, s, m, group_blocks, prefetch_groups, res); break;
-        }
+        dispatch_rows<BITS, S>(R, a, r0, c, s, m, group_blocks, prefetch_groups, res);
         store_tile<T>(res, R, r0, p, bias, N, out);
       }
     }
@@ -293,10 +325,12 @@ void matmul_into(const T* x, int64_t M, int64_t K, const uint8_t* codes, const v
     run(static_cast<const float*>(scales), static_cast<const float*>(mins));
 }
 
-// The float32-activation alternative for one row, kept for measurement (avx2.py's bench compares it): the
-// codes become float32 in registers (shift, mask, convert) and FMA with x itself, the scale and min applied
-// per group. Exact up to float32 summation order, but ~4x the instructions of the int8 path a weight
-// (per 8 weights: shift, and, convert, FMA vs a quarter of that), so it cannot keep up with memory.
+// The float32-activation alternative for one row, kept for measurement (scripts/bench_woq_avx2.py times it
+// at M=1): the codes become float32 in registers (shift, mask, convert) and FMA with x itself, the scale and
+// min applied per group. Exact up to float32 summation order, but ~3x the instructions of the int8 path a
+// weight (per 8 weights: shift, and, convert, FMA), so even a single row is bound by instructions rather
+// than memory: one thread, CPU time, 576 -> 3072 Q4_1 hot 129 us vs int8 47 us; the 121 calls of the
+// default model cold 11.4 ms vs 8.2 ms. So matmul quantizes x to int8 for every M, 1 included.
 template <int BITS, typename S>
 inline void panel_fp32(const float* x, const float* xsum, int64_t K, const uint8_t* codes, const S* sc,
                        const S* mn, int64_t group_blocks, float* res) {
