@@ -20,6 +20,7 @@ Ops (the layers that dispatch on them):
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 
@@ -144,6 +145,25 @@ def table() -> dict[str, Choice]:
     return chosen
 
 
+_forced: dict[str, str] = {}
+
+
 def backend(op: str) -> str:
     """The backend chosen for `op` ("torch" = the reference implementation)."""
-    return table()[op].backend
+    return _forced.get(op) or table()[op].backend
+
+
+@contextmanager
+def forced(**backends: str):
+    """Run ops on other backends inside the block, e.g. forced(quantized_linear="torch") for the
+    reference: tests compare a kernel against it, and check the reference's own exactness, on any CPU."""
+    unknown = set(backends) - set(OPS)
+    if unknown:
+        raise ValueError(f"unknown ops {sorted(unknown)}; ops are {', '.join(OPS)}")
+    saved = dict(_forced)
+    _forced.update(backends)
+    try:
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(saved)

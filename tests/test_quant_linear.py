@@ -8,6 +8,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
+from pagedllm import ops
 from pagedllm.config import ModelConfig
 from pagedllm.errors import InputError
 from pagedllm.gguf_layout import unpermute_qk
@@ -40,12 +41,30 @@ def assert_bf16_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None
     assert err.max() <= 4 * err_plain.max() + 1e-6, (err.max(), err_plain.max())
 
 
+def assert_close_for_path(layer: QuantLinear, y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y = layer(x) against x @ w^T (w float32) within the bound of the path that ran: the AVX2 kernel rounds
+    x to int8 per 32 inputs (its contract, tests/test_woq_avx2.py: relative error < 1.5e-2), every other
+    path is bf16-close (assert_bf16_close)."""
+    if layer.path(x.reshape(-1, x.shape[-1]).shape[0], x.dtype) == "avx2":
+        ref = x.float() @ w.T
+        assert ((y.float() - ref).norm() / ref.norm()).item() < 1.5e-2
+    else:
+        assert_bf16_close(y, x, w)
+
+
+@pytest.fixture
+def torch_backend():
+    """The reference backend for quantized linears (torch's kernels and the dequantize path), on any CPU."""
+    with ops.forced(quantized_linear="torch"):
+        yield
+
+
 SCHEMES = [(4, 32), (4, 64), (4, 128), (8, None)]
 
 
 @pytest.mark.parametrize("bits,group_size", SCHEMES)
 @pytest.mark.parametrize("rows", [1, 3, 16, 64])
-def test_packed_kernel_equals_dequantize_reference(bits, group_size, rows):
+def test_packed_kernel_equals_dequantize_reference(bits, group_size, rows, torch_backend):
     w = weight(192, 512)
     layer = QuantLinear.from_quantized(rtn_quantize_weight(w, bits, group_size))
     layer._pack_torch_kernel("int4" if bits == 4 else "int8")  # also where AMX would take INT8
@@ -59,6 +78,11 @@ def test_packed_kernel_equals_dequantize_reference(bits, group_size, rows):
 def test_rows_above_threshold_leave_torchs_kernels(bits, group_size):
     layer = QuantLinear.from_quantized(rtn_quantize_weight(weight(64, 256), bits, group_size))
     kind = "int4" if bits == 4 else "int8"
+    if layer.avx2_usable() and not layer.amx_usable():  # one kernel for every row count, fp32 and bf16
+        assert {layer.path(r, d) for r in (1, 64, 1000) for d in (torch.bfloat16, torch.float32)} == {"avx2"}
+        layer.pack()
+        assert layer._avx2 and layer._kernel is None and not layer._packed and layer.qweight is None
+        return
     if layer.amx_usable():  # the AMX layout's gemv kernel for a few rows, its tiles above; no torch kernel
         assert layer.path(1, torch.bfloat16) == layer.path(amx.GEMV_MAX_ROWS, torch.bfloat16) == "gemv"
         assert layer.path(amx.GEMV_MAX_ROWS + 1, torch.bfloat16) == "amx"
@@ -172,10 +196,11 @@ def test_other_widths_run_the_dequantize_path(bits, group_size):
     layer = QuantLinear.from_quantized(rtn_quantize_weight(weight(64, 128), bits, group_size))
     assert layer.kernel_kind() is None
     x = activations(4, 128)
-    assert_bf16_close(layer(x), x, layer.dequantize_weight())
+    assert_close_for_path(layer, layer(x), x, layer.dequantize_weight())
+    assert layer.path(4, torch.bfloat16) in (("dequantize",) if bits != 8 else ("dequantize", "avx2", "gemv"))
 
 
-def test_fp32_activations_are_exact_and_bias_is_added():
+def test_fp32_activations_are_exact_and_bias_is_added(torch_backend):
     w, b = weight(32, 64), torch.randn(32)
     layer = QuantLinear.from_quantized(rtn_quantize_weight(w, 4, 32), bias=b)
     x = torch.randn(5, 2, 64)
@@ -188,15 +213,20 @@ def test_fp32_activations_are_exact_and_bias_is_added():
 def test_weight_bytes():
     w = weight(128, 256)
     int8 = QuantLinear.from_quantized(rtn_quantize_weight(w, 8, None))
-    has_amx = int8.amx_usable()
+    has_amx, has_avx2 = int8.amx_usable(), int8.avx2_usable()
     int8.pack()
+    int4 = QuantLinear.from_quantized(rtn_quantize_weight(w, 4, 32))
+    stored = 128 * 128 + 2 * 128 * 8 * 4
+    assert int4.weight_bytes() == stored
+    if has_avx2 and not has_amx:  # the AVX2 layout instead of the stored form: codes + fp32 scales/mins
+        assert int8.qweight is None and int8.weight_bytes() == 128 * 256 + 128 * (4 + 4)
+        int4.pack()
+        assert int4.qweight is None and int4.weight_bytes() == stored
+        return
     if has_amx:  # the AMX layout instead of the stored form: the same bytes in another order
         assert int8.weight_bytes() == 128 * 256 + 128 * (4 + 4)
     else:  # int8 codes once (the kernel reads them in place) + fp32 scale/min + bf16 unit scales + fp32 correction
         assert int8.weight_bytes() == 128 * 256 + 128 * (4 + 4 + 2 + 4)
-    int4 = QuantLinear.from_quantized(rtn_quantize_weight(w, 4, 32))
-    stored = 128 * 128 + 2 * 128 * 8 * 4
-    assert int4.weight_bytes() == stored
     int4.pack()
     if has_amx:  # its layout holds the stored form in another order, which is then released
         assert int4.weight_bytes() == stored
@@ -244,10 +274,12 @@ def test_gguf_layer_output_equals_dequantized_layer(type_name, rows):
     layer.pack()
     if layer.amx_usable():
         assert layer._amx and layer._kernel is None
+    elif layer.avx2_usable():
+        assert layer._avx2 and layer._kernel is None
     else:
         assert layer._kernel == ("int4" if bits == 4 else None)  # Q8_0: per-block scales, no INT8 kernel
     x = activations(rows, 128)
-    assert_bf16_close(layer(x), x, torch.from_numpy(ref))
+    assert_close_for_path(layer, layer(x), x, torch.from_numpy(ref))
 
 
 @needs_amx
@@ -312,6 +344,7 @@ def test_released_layer_rebuilds_its_stored_form_from_the_amx_layout(bits, group
 def test_without_amx_torchs_kernels_and_the_dequantize_path_serve(monkeypatch, bits, group_size):
     """CPUs without AMX (or no compiler): torch's kernels up to KERNEL_MAX_ROWS, then dequantize."""
     monkeypatch.setattr(amx, "load", lambda: None)
+    monkeypatch.setattr(ops, "_forced", {"quantized_linear": "torch"})  # nor the AVX2 kernel
     layer = QuantLinear.from_quantized(rtn_quantize_weight(weight(64, 256), bits, group_size))
     kind = "int4" if bits == 4 else "int8"
     layer.pack()

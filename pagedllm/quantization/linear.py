@@ -1,4 +1,4 @@
-"""QuantLinear: a weight-only quantized nn.Linear (codes + scales + zero points), served on torch's CPU kernels.
+"""QuantLinear: a weight-only quantized nn.Linear (codes + scales + zero points), served on the CPU's kernels.
 
 Stored form (buffers, the portable truth; `state_dict` holds exactly these):
     qweight  uint8 [out, in / 2] for bits <= 4 (two codes a byte, pack.py's layout); int8 [out, in] holding
@@ -8,7 +8,7 @@ Stored form (buffers, the portable truth; `state_dict` holds exactly these):
 The affine form w = s*q + m (rather than s*(q - z)) also holds GGUF's Q4_1, whose min is not a whole
 number of steps; uniform.py's integer zero point comes back as z = -m / s (model/quantized_checkpoint.py does that).
 
-Kernel layouts (plain attributes, built by `pack()` for bf16 activations; never saved):
+Kernel layouts (plain attributes, built by `pack(dtype)` for the activations' dtype; never saved):
   INT4, group 32/64/128/256: `_weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)` computes
       w = (q - 8) * scale + zero   per group,   so scale = s and zero = m + 8 s   reproduce w = s*q + m.
   INT8 per channel: `_weight_int8pack_mm(x, q8, s)` is symmetric (w = s * q8, q8 int8). With q8 = q - 128:
@@ -23,7 +23,15 @@ reproduces s*q + m to bf16 precision (the same precision as a bf16 weight), not 
       where that holds them exactly: GGUF's blocks). The same layout feeds two kernels: AMX tiles for
       batches, AVX512-BF16 dot products for 1-4 rows ("gemv", csrc/woq_gemv.h).
 
-When each path runs (`path()`): torch's packed kernels dequantize the weight again for every row (their
+  AVX2 (avx2.py, csrc/woq_avx2.h), 4- and 8-bit codes, any group that is a multiple of 32: codes in panels
+      of 8 output columns, activations (fp32 or bf16) quantized to int8 per 32 inputs on the fly, VPMADDUBSW
+      dot products. Its error is that of rounding x to int8 (relative ~5e-3 on a layer's output, bound
+      1.5e-2 in tests/test_woq_avx2.py), not bit-exact with the reference.
+
+`forward_native` is the torch reference every kernel is tested against: dequantize, then F.linear.
+When each path runs (`path()`, within the op table's quantized_linear backend, ops.py): on every tier
+from avx2 up the AVX2 kernel takes fp32 and bf16 activations of the shapes it supports, except bf16 at the
+amx tier, where the AMX kernels below run. Below avx2 (or with the backend forced to "torch"), torch's packed kernels dequantize the weight again for every row (their
 time grows linearly with rows), while a bf16 GEMM or the AMX kernel dequantizes or reads the weight once
 per call. With AMX (CPUs that have it), every 4- and 8-bit layer it can tile runs the gemv kernel up to
 amx.GEMV_MAX_ROWS rows and AMX tiles above, and torch's kernels are not built at all. Without it, torch's
@@ -264,7 +272,7 @@ class QuantLinear(nn.Module):
 
     def on_amx_layout(self) -> bool:
         """Whether bf16 activations go through the AMX layout's kernels (built already, or buildable)."""
-        return bool(self._amx) or self.amx_usable()
+        return self.amx_usable()
 
     def amx_usable(self) -> bool:
         """Whether the AMX kernel takes this layer (its shape, and a CPU and compiler that have it)."""
@@ -322,7 +330,7 @@ class QuantLinear(nn.Module):
         "dequantize"; the backend comes from the op table (ops.py), the shape decides within it."""
         if dtype == torch.bfloat16 and self.on_amx_layout():
             return "gemv" if rows <= amx.GEMV_MAX_ROWS else "amx"
-        if dtype in (torch.float32, torch.bfloat16) and (self._avx2 or self.avx2_usable()):
+        if dtype in (torch.float32, torch.bfloat16) and self.avx2_usable():
             return "avx2"
         if dtype != torch.bfloat16:
             return "dequantize"
@@ -331,13 +339,18 @@ class QuantLinear(nn.Module):
             return kind
         return "dequantize"
 
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch reference: the weight dequantized (s*q + m in float32, rounded once to x's dtype) and
+        F.linear. Every kernel path is tested against it."""
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantize_weight(x.dtype), bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         path = self.path(x2.shape[0], x.dtype)
         if path == "dequantize":
-            bias = None if self.bias is None else self.bias.to(x.dtype)
-            y = F.linear(x2, self.dequantize_weight(x.dtype), bias)
+            y = self.forward_native(x2)
         elif path == "avx2":
             if not self._avx2:
                 self.pack(x.dtype)
