@@ -391,3 +391,18 @@ def test_llama_server_run_against_a_fake_server(tmp_path: Path) -> None:
     ]
     with pytest.raises(ProcessLookupError):  # stopped at the end
         os.kill(records[0]["pid"], 0)
+
+
+def test_report_names_the_peers_and_says_how_to_add_a_missing_one(tmp_path):
+    from pagedllm.bench import report
+
+    row = {"output_tokens_per_second": 100.0, "tokens_per_second": 200.0, "requests_per_second": 1.0}
+    row |= {"elapsed_time": 40.0}
+    w32 = {"pagedllm": row, "openvino": row | {"output_tokens_per_second": 50.0}, "ratio_vs_openvino": 2.0}
+    (tmp_path / "w32.json").write_text(json.dumps(w32))
+    text = report.render(tmp_path)
+    assert "| OpenVINO GenAI `ContinuousBatchingPipeline` reading the Q4_1 GGUF | 50.0 |" in text
+    assert (
+        "2.00x" in text and "bash scripts/build_llama_server.sh" in text
+    )  # llama.cpp missing: how to add it
+    assert "OpenVINO GenAI is not in this run" not in text
