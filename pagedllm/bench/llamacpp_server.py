@@ -239,4 +239,5 @@ def run_llama_server(
     print("llama.cpp:", " ".join(cmd))
     with launched(cmd) as base_url:
         asyncio.run(run_workload(base_url, ids[:1], [2]))  # warm-up: first-call costs, not timed
-        return [asyncio.run(run_workload(base_url, ids, max_tokens)) for _ in range(repeat)]
+        runs = [asyncio.run(run_workload(base_url, ids, max_tokens)) for _ in range(repeat)]
+    return [run | {"slots": slots, "threads": threads} for run in runs]  # in the JSON, beside the figures
