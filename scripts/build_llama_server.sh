@@ -38,7 +38,7 @@ cmake --build "$LLAMA/build" --target llama-server -j "$JOBS"
 # the binary and its shared libraries (libllama, libggml*, libmtmd) side by side: pagedllm runs it with
 # LD_LIBRARY_PATH set to that folder, so the build tree may be deleted afterwards
 mkdir -p "$CACHE/bin"
-cp "$LLAMA/build/bin/"*.so* "$CACHE/bin/" 2>/dev/null || true
+cp -a "$LLAMA/build/bin/"*.so* "$CACHE/bin/" 2>/dev/null || true  # -a: the .so -> .so.0 links stay links
 cp "$LLAMA/build/bin/llama-server" "$BIN.tmp"
 mv "$BIN.tmp" "$BIN"  # last, so that a half-finished copy never counts as built
 LD_LIBRARY_PATH="$CACHE/bin" "$BIN" --version
