@@ -26,26 +26,37 @@ run() {  # record the command as a reader would type it, then run it
 }
 
 "$VENV/bin/python" -m pagedllm.bench.report machine "$OUT/machine.json"
-if ! "$VENV/bin/python" -c "import llama_cpp" 2>/dev/null; then
-    echo "note: llama-cpp-python is not installed: llama.cpp rows are skipped (pip install llama-cpp-python)"
+# The peers a user would pick instead, where they are here: llama.cpp's own llama-server (built once by
+# scripts/build_llama_server.sh; PAGEDLLM_LLAMA_SERVER points at another) and OpenVINO GenAI.
+PEERS=(--compare hf)
+LLAMA_SERVER=${PAGEDLLM_LLAMA_SERVER:-${XDG_CACHE_HOME:-$HOME/.cache}/pagedllm/llama.cpp/0.3.36/bin/llama-server}
+if [ -x "$LLAMA_SERVER" ]; then
+    PEERS+=(--compare llama.cpp)
+else
+    echo "note: no llama-server at $LLAMA_SERVER: llama.cpp rows are skipped (bash scripts/build_llama_server.sh)"
+fi
+if "$VENV/bin/python" -c "import openvino_genai" 2>/dev/null; then
+    PEERS+=(--compare openvino)
+else
+    echo "note: openvino-genai is not installed: OpenVINO rows are skipped (pip install openvino-genai)"
 fi
 
 # Memory first: it does not run the model, and its figures are exact.
 run bench memory --output-json "$OUT/memory.json" --plot-dir "$IMG"
 
-# W32 offline, ours vs HF bf16 vs llama.cpp, medians of W32_REPEAT runs.
-run bench throughput --dataset "$W32" --repeat "$W32_REPEAT" --compare hf --compare llama.cpp \
+# W32 offline, ours vs HF bf16 vs llama.cpp vs OpenVINO, medians of W32_REPEAT runs.
+run bench throughput --dataset "$W32" --repeat "$W32_REPEAT" "${PEERS[@]}" \
     --output-json "$OUT/w32.json" --plot-dir "$IMG"
 
 # single50: one stream, decode tok/s and TTFT.
-run bench throughput --dataset "$SINGLE50" --repeat "$SINGLE_REPEAT" --compare hf --compare llama.cpp \
+run bench throughput --dataset "$SINGLE50" --repeat "$SINGLE_REPEAT" "${PEERS[@]}" \
     --output-json "$OUT/single50.json"
 
 # The same two workloads on the default model's own Q4_1 weights, served natively (the C++ 1-4 row kernel
-# and the AMX kernel above where the CPU has it), HF bf16 beside them again in the same run.
-run bench throughput --dataset "$W32" --repeat "$W32_REPEAT" --quantization gguf --compare hf \
+# and the AMX kernel above where the CPU has it), the peers beside them again in the same run.
+run bench throughput --dataset "$W32" --repeat "$W32_REPEAT" --quantization gguf "${PEERS[@]}" \
     --output-json "$OUT/w32_gguf.json"
-run bench throughput --dataset "$SINGLE50" --repeat "$SINGLE_REPEAT" --quantization gguf --compare hf \
+run bench throughput --dataset "$SINGLE50" --repeat "$SINGLE_REPEAT" --quantization gguf "${PEERS[@]}" \
     --output-json "$OUT/single50_gguf.json"
 
 # Serving latency at a few concurrencies (the server is started and stopped by --launch).

@@ -129,10 +129,21 @@ def test_sse_parse_with_mock_transport() -> None:
 # ---- the CLI with the real default model -------------------------------------------------------------
 @pytest.mark.slow
 def test_cli_throughput(tmp_path: Path, capsys) -> None:
-    """vLLM's keys and sane counts; llama.cpp compared when installed, else a skip line naming the install."""
+    """vLLM's keys and sane counts; OpenVINO compared when installed, else a skip line naming the install;
+    llama.cpp pointed at a missing llama-server: a skip line naming it and the build script."""
     out = tmp_path / "t.json"
     argv = ["bench", "throughput", "--num-prompts", "2", "--input-len", "8", "--output-len", "4"]
-    argv += ["--num-kv-blocks", "64", "--max-model-len", "256", "--compare", "llama.cpp"]
+    argv += [
+        "--num-kv-blocks",
+        "64",
+        "--max-model-len",
+        "256",
+        "--compare",
+        "llama.cpp",
+        "--compare",
+        "openvino",
+    ]
+    argv += ["--llama-server", str(tmp_path / "no-llama-server")]
     argv += ["--output-json", str(out), "--plot-dir", str(tmp_path)]
     assert main(argv) == 0
     report = json.loads(out.read_text())
@@ -150,10 +161,13 @@ def test_cli_throughput(tmp_path: Path, capsys) -> None:
     assert (tmp_path / "offline_random.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "output tokens/s" in printed
-    if "llama.cpp" in report:
-        assert report["ratio_vs_llama.cpp"] > 0 and report["llama.cpp"]["output_tokens"] == 8
+    assert "llama.cpp" not in report
+    assert f"llama.cpp: skipped: llama-server not found at {tmp_path / 'no-llama-server'}" in printed
+    assert "scripts/build_llama_server.sh" in printed
+    if "openvino" in report:
+        assert report["ratio_vs_openvino"] > 0 and report["openvino"]["output_tokens"] == 8
     else:
-        assert "pip install llama-cpp-python" in printed
+        assert "openvino: skipped: openvino-genai is not installed" in printed
 
 
 @pytest.mark.slow
@@ -245,3 +259,150 @@ def test_report_states_the_memory_read_speed_at_both_ends(tmp_path):
     text = report.render(tmp_path)
     assert "memory read speed (`torch.sum` over 512 MB): 16.7 GB/s at the start and 19.4 at the end" in text
     assert "memory read speed" not in report.render(tmp_path / "empty")  # no machine.json: no probe, no line
+
+
+# ---- the peers: llama.cpp's llama-server and OpenVINO GenAI, without either installed -------------------
+def test_compare_choices_parse(capsys) -> None:
+    from pagedllm.entrypoints.cli.main import build_parser
+
+    argv = ["bench", "throughput", "--compare", "llama.cpp", "--compare", "openvino"]
+    args = build_parser().parse_args([*argv, "--compare", "hf", "--llama-server", "/opt/llama-server"])
+    assert args.compare == ["llama.cpp", "openvino", "hf"] and args.llama_server == "/opt/llama-server"
+    assert build_parser().parse_args(["bench", "throughput", "--compare", "llama-cpp-python"]).compare
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "throughput", "--compare", "vllm"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_llama_server_unavailable_names_the_binary_and_the_script(tmp_path: Path, monkeypatch) -> None:
+    from pagedllm.bench import llamacpp_server
+
+    missing = tmp_path / "nowhere" / "llama-server"
+    reason = llamacpp_server.unavailable_reason(missing, tmp_path / "m.gguf")
+    assert str(missing) in reason and "scripts/build_llama_server.sh" in reason
+    # where it is looked for: --llama-server, else $PAGEDLLM_LLAMA_SERVER, else the build script's cache
+    monkeypatch.setenv("PAGEDLLM_LLAMA_SERVER", "/env/llama-server")
+    assert llamacpp_server.binary_path("/flag/llama-server") == Path("/flag/llama-server")
+    assert llamacpp_server.binary_path() == Path("/env/llama-server")
+    monkeypatch.delenv("PAGEDLLM_LLAMA_SERVER")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert llamacpp_server.binary_path() == tmp_path / "pagedllm/llama.cpp/0.3.36/bin/llama-server"
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    assert "not one" in llamacpp_server.unavailable_reason(binary, tmp_path / "model.safetensors")
+    assert llamacpp_server.unavailable_reason(binary, tmp_path / "m.gguf") is None
+
+
+def test_openvino_unavailable_names_the_package(monkeypatch, tmp_path: Path) -> None:
+    import sys
+
+    from pagedllm.bench import openvino
+
+    monkeypatch.setitem(sys.modules, "openvino_genai", None)  # import fails, installed or not
+    reason = openvino.unavailable_reason(tmp_path / "m.gguf")
+    assert "openvino-genai is not installed" in reason and "pip install openvino-genai" in reason
+
+
+def test_llama_server_command_and_request_body() -> None:
+    from pagedllm.bench import llamacpp_server as ls
+
+    ids = [[1, 2, 3], list(range(290))]
+    assert ls.context_per_slot(ids, [128, 128]) == 512  # 290 + 128 + 16, rounded up to 256
+    cmd = ls.server_command(Path("/b/llama-server"), Path("/m.gguf"), 4321, 32, 512, 2)
+    flags = {f: cmd[cmd.index(f) + 1] for f in ("-m", "--host", "--port", "-t", "-np", "-c")}
+    assert flags["-m"] == "/m.gguf" and flags["--host"] == "127.0.0.1" and flags["--port"] == "4321"
+    assert flags["-t"] == "2" and flags["-np"] == "32" and flags["-c"] == str(32 * 512)
+    assert "-cb" in cmd and "--no-warmup" in cmd
+    assert ls.request_body([5, 6, 7], 128) == {
+        "prompt": [5, 6, 7],
+        "n_predict": 128,
+        "temperature": 0.0,
+        "top_k": 1,
+        "ignore_eos": True,
+        "cache_prompt": False,
+        "stream": True,
+        "return_tokens": True,
+    }
+
+
+def _recorded_stream(n: int, evaluated: int, t0: float = 10.0) -> list[tuple[float, str]]:
+    """A llama-server /completion stream as it arrives: a chunk without a token, one a token, the final."""
+    chunks = [(t0 + 0.01, {"content": "", "tokens": [], "stop": False})]
+    chunks += [(t0 + 0.5 + 0.1 * i, {"content": "a", "tokens": [100 + i], "stop": False}) for i in range(n)]
+    final = {"tokens": [], "stop": True, "tokens_predicted": n, "tokens_evaluated": evaluated}
+    chunks.append((t0 + 0.5 + 0.1 * (n - 1), final | {"stop_type": "limit"}))
+    lines = []
+    for at, c in chunks:
+        lines += [(at, f"data: {json.dumps(c)}"), (at, "")]
+    return lines
+
+
+def test_llama_server_reply_parsing_counts_and_timings() -> None:
+    from pagedllm.bench import llamacpp_server as ls
+
+    r = ls.parse_stream(_recorded_stream(5, evaluated=3))
+    assert r.tokens == [100, 101, 102, 103, 104] and r.tokens_predicted == 5 and r.stop_type == "limit"
+    ls.check_reply(r, prompt_len=3, n_predict=5)
+    run = ls.summarize_replies([r], sent_at=10.0, finished_at=10.9, prompt_tokens=3)
+    assert run["output_tokens"] == 5 and run["num_requests"] == 1
+    assert run["median_ttft_s"] == pytest.approx(0.5)  # the first chunk carrying a token, not the empty one
+    assert run["decode_tokens_per_second"] == pytest.approx(4 / 0.4)  # tokens after the first, time after it
+    assert run["elapsed_time"] == pytest.approx(0.9)
+    with pytest.raises(RuntimeError, match="5 tokens streamed, 5 reported, 6 asked"):
+        ls.check_reply(r, prompt_len=3, n_predict=6)
+    with pytest.raises(RuntimeError, match="3 prompt tokens evaluated, 4 sent"):
+        ls.check_reply(r, prompt_len=4, n_predict=5)
+    with pytest.raises(RuntimeError, match="no final chunk"):
+        ls.check_reply(ls.parse_stream(_recorded_stream(5, 3)[:-2]), prompt_len=3, n_predict=5)
+    with pytest.raises(RuntimeError, match="slot unavailable"):
+        ls.parse_stream([(0.0, 'data: {"error": {"message": "slot unavailable"}}')])
+
+
+def test_llama_server_run_against_a_fake_server(tmp_path: Path) -> None:
+    """Start, /health (503 then 200), all prompts at once as token ids, counts checked, server stopped."""
+    import os
+    import sys
+
+    from pagedllm.bench import llamacpp_server as ls
+
+    binary = tmp_path / "llama-server"
+    fake = Path(__file__).with_name("fake_llama_server.py")
+    binary.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{fake}" "$@"\n')
+    binary.chmod(0o755)
+    log = tmp_path / "requests.jsonl"
+    os.environ["FAKE_LLAMA_LOG"] = str(log)
+    try:
+        prompts = [BenchPrompt([7, 8, 9], 4), BenchPrompt([1, 2], 6), BenchPrompt([3], 5)]
+        runs = ls.run_llama_server(binary, tmp_path / "m.gguf", prompts, threads=2, repeat=2)
+    finally:
+        del os.environ["FAKE_LLAMA_LOG"]
+    assert len(runs) == 2
+    for run in runs:
+        assert run["num_requests"] == 3 and run["output_tokens"] == 15 and run["prompt_tokens"] == 6
+    records = [json.loads(x) for x in log.read_text().splitlines()]
+    assert records[0]["slots"] == 3  # one slot per prompt
+    bodies = [r["body"] for r in records if "body" in r]
+    assert bodies[0] == ls.request_body([7, 8, 9], 2)  # the warm-up, not timed
+    assert sorted((b["prompt"], b["n_predict"]) for b in bodies[1:4]) == [
+        ([1, 2], 6),
+        ([3], 5),
+        ([7, 8, 9], 4),
+    ]
+    with pytest.raises(ProcessLookupError):  # stopped at the end
+        os.kill(records[0]["pid"], 0)
+
+
+def test_report_names_the_peers_and_says_how_to_add_a_missing_one(tmp_path):
+    from pagedllm.bench import report
+
+    row = {"output_tokens_per_second": 100.0, "tokens_per_second": 200.0, "requests_per_second": 1.0}
+    row |= {"elapsed_time": 40.0}
+    w32 = {"pagedllm": row, "openvino": row | {"output_tokens_per_second": 50.0}, "ratio_vs_openvino": 2.0}
+    (tmp_path / "w32.json").write_text(json.dumps(w32))
+    text = report.render(tmp_path)
+    assert "| OpenVINO GenAI `ContinuousBatchingPipeline` reading the Q4_1 GGUF | 50.0 |" in text
+    assert (
+        "2.00x" in text and "bash scripts/build_llama_server.sh" in text
+    )  # llama.cpp missing: how to add it
+    assert "OpenVINO GenAI is not in this run" not in text

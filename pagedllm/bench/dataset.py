@@ -49,3 +49,14 @@ def random_prompts(
         BenchPrompt([rng.randrange(100, vocab_size) for _ in range(input_len)], output_len)
         for _ in range(num_prompts)
     ]
+
+
+def prompt_token_ids(prompts: list[BenchPrompt], model_path: Path) -> list[list[int]]:
+    """Our tokenizer's ids for each prompt (for a GGUF, its own vocabulary), so that a peer engine is
+    handed the very same tokens as ours rather than re-tokenizing the text its own way."""
+    from pagedllm.model.tokenizer import Tokenizer
+
+    if all(isinstance(p.prompt, list) for p in prompts):
+        return [list(p.prompt) for p in prompts]
+    tok = Tokenizer.from_checkpoint(model_path)
+    return [p.prompt if isinstance(p.prompt, list) else tok.encode(p.prompt) for p in prompts]

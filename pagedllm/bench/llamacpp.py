@@ -1,8 +1,10 @@
-"""llama.cpp (llama-cpp-python) on the same GGUF file, greedy, exactly max_tokens each (EOS ignored).
+"""llama-cpp-python (llama.cpp's Python binding, in process) on the same GGUF file, greedy, exactly
+max_tokens each (EOS ignored): `--compare llama-cpp-python`. `--compare llama.cpp` is llama.cpp's own
+llama-server instead (llamacpp_server.py).
 
-Two ways people run it:
-- "llama.cpp": one request at a time through the high-level `Llama.generate` (what most scripts do);
-- "llama.cpp-batch": every prompt as its own sequence of one context, decoded together with the
+Two ways people run the binding:
+- "llama-cpp-python": one request at a time through the high-level `Llama.generate` (what most scripts do);
+- "llama-cpp-python-batch": every prompt as its own sequence of one context, decoded together with the
   low-level llama_batch API (what llama-server does with parallel slots), when that API is there.
 
 Optional: nothing is installed for it (`pip install llama-cpp-python` compiles llama.cpp with cmake).
@@ -16,7 +18,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from pagedllm.bench.dataset import BenchPrompt
+from pagedllm.bench.dataset import BenchPrompt, prompt_token_ids
 
 INSTALL_HINT = (
     "pip install llama-cpp-python  (compiles llama.cpp from source: needs cmake and a C++ compiler)"
@@ -24,13 +26,13 @@ INSTALL_HINT = (
 
 
 def unavailable_reason(model_path: Path) -> str | None:
-    """Why llama.cpp cannot run here, or None when it can."""
+    """Why llama-cpp-python cannot run here, or None when it can."""
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
         return f"llama-cpp-python is not installed; to compare with it: {INSTALL_HINT}"
     if model_path.suffix != ".gguf":
-        return f"llama.cpp needs a GGUF file; {model_path} is not one"
+        return f"llama-cpp-python needs a GGUF file; {model_path} is not one"
     return _probe(model_path)
 
 
@@ -58,19 +60,12 @@ def _probe(model_path: Path) -> str | None:
     return None
 
 
-def _token_ids(prompts: list[BenchPrompt], model_path: Path) -> list[list[int]]:
-    """Our tokenizer's ids (the GGUF's own vocabulary), so both engines see the very same tokens."""
-    from pagedllm.model.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_checkpoint(model_path)
-    return [p.prompt if isinstance(p.prompt, list) else tok.encode(p.prompt) for p in prompts]
-
-
 def run_llamacpp(model_path: Path, prompts: list[BenchPrompt], n_threads: int = 2, repeat: int = 1) -> dict:
-    """{"llama.cpp": [run, ...], "llama.cpp-batch": [run, ...]}; each run has elapsed and token counts."""
+    """{"llama-cpp-python": [run, ...], "llama-cpp-python-batch": [run, ...]}; each run has elapsed and
+    token counts."""
     import llama_cpp
 
-    ids = _token_ids(prompts, model_path)
+    ids = prompt_token_ids(prompts, model_path)
     n_ctx = max(len(x) + p.max_tokens for x, p in zip(ids, prompts)) + 16
     llm = llama_cpp.Llama(
         str(model_path),
@@ -81,19 +76,23 @@ def run_llamacpp(model_path: Path, prompts: list[BenchPrompt], n_threads: int = 
         verbose=False,
     )
     _sequential(llm, [ids[0]], [2])  # warm-up
-    out = {"llama.cpp": [_sequential(llm, ids, [p.max_tokens for p in prompts]) for _ in range(repeat)]}
+    out = {
+        "llama-cpp-python": [_sequential(llm, ids, [p.max_tokens for p in prompts]) for _ in range(repeat)]
+    }
     del llm
     if len(prompts) > 1:
         try:
-            out["llama.cpp-batch"] = [_batched(model_path, ids, prompts, n_threads) for _ in range(repeat)]
+            out["llama-cpp-python-batch"] = [
+                _batched(model_path, ids, prompts, n_threads) for _ in range(repeat)
+            ]
         except (AttributeError, RuntimeError) as e:  # the low-level API moves between versions
-            print(f"llama.cpp-batch: skipped: {type(e).__name__}: {e}")
+            print(f"llama-cpp-python-batch: skipped: {type(e).__name__}: {e}")
     return out
 
 
 def _sequential(llm, ids: list[list[int]], max_tokens: list[int]) -> dict:
     ttfts = []
-    bar = tqdm(total=len(ids), desc="llama.cpp (one at a time)", unit="req", disable=len(ids) < 2)
+    bar = tqdm(total=len(ids), desc="llama-cpp-python (one at a time)", unit="req", disable=len(ids) < 2)
     start = time.perf_counter()
     for prompt, n in zip(ids, max_tokens):
         llm.reset()  # no prefix reuse from the previous prompt
@@ -164,7 +163,7 @@ def _batched(model_path: Path, ids: list[list[int]], prompts: list[BenchPrompt],
     try:
         want = [p.max_tokens for p in prompts]
         done = [0] * n_seq
-        bar = tqdm(total=sum(want), desc=f"llama.cpp (batch of {n_seq})", unit="tok")
+        bar = tqdm(total=sum(want), desc=f"llama-cpp-python (batch of {n_seq})", unit="tok")
         start = time.perf_counter()
         nxt = []
         for s, x in enumerate(ids):  # prefill, 512 tokens a call; logits of the last token only

@@ -13,8 +13,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 LABELS = {
     "pagedllm": "pagedllm",
     "hf": "HF transformers\n(static batch)",
-    "llama.cpp": "llama.cpp\n(one at a time)",
-    "llama.cpp-batch": "llama.cpp\n(batched)",
+    "llama.cpp": "llama.cpp\nllama-server",
+    "openvino": "OpenVINO GenAI\n(continuous batching)",
+    "llama-cpp-python": "llama-cpp-python\n(one at a time)",
+    "llama-cpp-python-batch": "llama-cpp-python\n(batched)",
 }
 _FIGSIZE = (6.4, 3.4)
 _DPI = 90

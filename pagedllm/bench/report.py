@@ -18,8 +18,10 @@ from pathlib import Path
 SYSTEMS = {
     "pagedllm": "pagedllm (continuous batching)",
     "hf": "HF transformers `generate`, same dtype, left-padded static batch",
-    "llama.cpp": "llama-cpp-python, Q4_1, one request at a time",
-    "llama.cpp-batch": "llama-cpp-python, Q4_1, all prompts as one batch",
+    "llama.cpp": "llama.cpp `llama-server`, Q4_1, one slot per prompt, continuous batching, all requests at once",
+    "openvino": "OpenVINO GenAI `ContinuousBatchingPipeline` reading the Q4_1 GGUF",
+    "llama-cpp-python": "llama-cpp-python, Q4_1, one request at a time",
+    "llama-cpp-python-batch": "llama-cpp-python, Q4_1, all prompts as one batch",
 }
 FLAGS = ["avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"]
 
@@ -54,7 +56,7 @@ def machine_info(probe_memory: bool = True) -> dict:
     except OSError:
         pass
     versions = {}
-    for pkg in ("torch", "transformers", "llama_cpp_python"):
+    for pkg in ("torch", "transformers", "llama_cpp_python", "openvino_genai"):
         try:
             versions[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:
@@ -69,7 +71,27 @@ def machine_info(probe_memory: bool = True) -> dict:
         "loadavg_1m": os.getloadavg()[0],
         "memory_read_gbps": memory_read_gbps() if probe_memory else None,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "llama_server": _llama_server_version(),
     }
+
+
+def _llama_server_version() -> str | None:
+    """`llama-server --version` of the binary `--compare llama.cpp` would run, or None without one."""
+    import subprocess
+
+    from pagedllm.bench.llamacpp_server import binary_path, library_env
+
+    binary = binary_path()
+    if not binary.is_file():
+        return None
+    try:
+        r = subprocess.run(
+            [str(binary), "--version"], capture_output=True, text=True, timeout=30, env=library_env(binary)
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = [x for x in (r.stdout + r.stderr).splitlines() if x.startswith("version")]
+    return lines[0] if lines else None
 
 
 def _memory_speed_line(start: dict, end: dict) -> list[str]:
@@ -152,18 +174,20 @@ def _memory_table(m: dict) -> list[str]:
     ]
 
 
-def _llamacpp_note(r: dict) -> list[str]:
-    if "llama.cpp" in r:
-        return []
-    return [
-        "llama.cpp is not in this run: llama-cpp-python is not installed. It compiles llama.cpp from source; on",
-        "this shared machine `pip install` timed out after 25 minutes, and the build finished by hand crashed",
-        "(SIGSEGV) in its first decode of this model, so it was removed again. For orientation only, not comparable",
-        "to the figures above: the reference figures of shared/bench/README.md, measured on a quiet machine of",
-        "this kind, are 160 tok/s single50 decode (TTFT 108 ms), and W32 111 output tok/s one request at a",
-        "time, 181 as one batch of 32. `pip install llama-cpp-python`, then `make bench`, puts it in the table.",
-        "",
-    ]
+def _peer_notes(r: dict) -> list[str]:
+    """Say which of the peers a reader would pick is missing from a run, and how to add it."""
+    notes = []
+    if "llama.cpp" not in r:
+        notes.append(
+            "llama.cpp is not in this run: no llama-server binary was found. `bash scripts/build_llama_server.sh`"
+            " builds it once (cmake, about 25 minutes on 2 cores); then `make bench` puts it in the table."
+        )
+    if "openvino" not in r:
+        notes.append(
+            "OpenVINO GenAI is not in this run: `pip install openvino-genai` (or `pip install "
+            "'pagedllm[bench]'`), then `make bench` puts it in the table."
+        )
+    return [*notes, ""] if notes else []
 
 
 def render(d: Path) -> str:
@@ -181,8 +205,11 @@ def render(d: Path) -> str:
         "",
         "- `pagedllm bench throughput`: offline, every prompt submitted at once (`vllm bench throughput`);",
         "  `--compare hf` runs HF transformers `generate` on a left-padded static batch in the same dtype as ours,",
-        "  `--compare llama.cpp` runs llama-cpp-python on the same GGUF with 2 threads, one request at a time and",
-        "  (low-level batch API) all prompts as parallel sequences. llama.cpp is optional: `pip install llama-cpp-python`.",
+        "  `--compare llama.cpp` starts llama.cpp's own `llama-server` on the same GGUF (2 threads, one slot per",
+        "  prompt, continuous batching) and sends every prompt at once as token ids to its `/completion` endpoint;",
+        "  `--compare openvino` runs OpenVINO GenAI's `ContinuousBatchingPipeline` on the same GGUF (2 threads),",
+        "  every prompt in one `generate`. Both are optional: `scripts/build_llama_server.sh` builds llama-server,",
+        "  `pip install openvino-genai` adds OpenVINO. (`--compare llama-cpp-python` is the Python binding in process.)",
         "- `pagedllm bench serve`: online, against any OpenAI-compatible server (`vllm bench serve`): Poisson",
         "  arrivals (`--request-rate`), `--max-concurrency` (several values = a sweep), streamed requests;",
         "  TTFT, TPOT = (E2EL - TTFT) / (output tokens - 1), ITL, E2EL; `--launch` starts `pagedllm serve` itself.",
@@ -204,8 +231,9 @@ def render(d: Path) -> str:
         " On a machine shared with other busy processes one thread is several times faster than two"
         " (two threads spin and wait for each other when a core is taken away).",
         f"- Python {m['python']}, torch {v.get('torch')}, transformers {v.get('transformers')}, "
-        f"llama-cpp-python {v.get('llama_cpp_python') or 'not installed (llama.cpp rows skipped)'}",
-        "- model: the default, SmolLM2-135M-Instruct (Q4_1 GGUF; we and HF dequantize it to bf16, llama.cpp runs Q4_1)",
+        f"openvino-genai {v.get('openvino_genai') or 'not installed (OpenVINO rows skipped)'}, "
+        f"llama-server {m.get('llama_server') or 'not built (llama.cpp rows skipped)'}",
+        "- model: the default, SmolLM2-135M-Instruct (Q4_1 GGUF; we and HF dequantize it to bf16, llama.cpp runs Q4_1, OpenVINO its own reading of it)",
         "- the engine is being optimized at the same time: these figures are one honest run of the tooling.",
         "- scale of the noise: shared/bench/README.md measured HF bf16 on a quiet machine of this kind at 275",
         "  output tok/s on W32 and 40-48 decode tok/s on single50; compare with the HF rows below to see how",
@@ -228,7 +256,7 @@ def render(d: Path) -> str:
             "",
             *_offline_table(w32, single=False),
             "",
-            *_llamacpp_note(w32),
+            *_peer_notes(w32),
             "![W32 offline throughput](img/offline_w32.png)",
             "",
         ]

@@ -11,7 +11,7 @@ from pathlib import Path
 from pagedllm.entrypoints.engine_args import add_engine_args, engine_kwargs
 from pagedllm.errors import InputError
 
-PEERS = ["hf", "llama.cpp"]
+PEERS = ["hf", "llama.cpp", "openvino", "llama-cpp-python"]
 
 
 def add_parser(subparsers) -> None:
@@ -64,10 +64,23 @@ def _add_throughput(sub) -> None:
         action="append",
         default=[],
         choices=PEERS,
-        help="also run a peer on the same prompts: hf (transformers, padded static batch, same dtype) or "
-        "llama.cpp (llama-cpp-python on the same GGUF, 2 threads); may be given twice",
+        help="also run a peer on the same prompt token ids, greedy, ignore-EOS, in the same run (may be "
+        "repeated): hf (transformers generate, left-padded static batch, same dtype); llama.cpp (llama.cpp's "
+        "own llama-server on the same GGUF: one slot per prompt, continuous batching, all requests at once; "
+        "build it with scripts/build_llama_server.sh); openvino (OpenVINO GenAI ContinuousBatchingPipeline "
+        "reading the GGUF; pip install openvino-genai); llama-cpp-python (the Python binding in process, one "
+        "request at a time and as one low-level batch)",
     )
-    t.add_argument("--peer-threads", type=int, default=2, help="llama.cpp threads (default: 2)")
+    t.add_argument(
+        "--peer-threads", type=int, default=2, help="threads of llama.cpp and OpenVINO (default: 2)"
+    )
+    t.add_argument(
+        "--llama-server",
+        default=None,
+        metavar="PATH",
+        help="the llama-server binary for --compare llama.cpp (default: $PAGEDLLM_LLAMA_SERVER, else the "
+        "build script's ~/.cache/pagedllm/llama.cpp/<version>/bin/llama-server)",
+    )
     add_engine_args(t)
     t.set_defaults(run=run_throughput)
 
@@ -179,25 +192,60 @@ def run_throughput(args: argparse.Namespace) -> int:
 
 
 def _run_peer(peer: str, engine, prompts, args) -> dict:
+    """{row name: median run} for one peer; {} with a printed line when it cannot run or fails (the
+    other systems' figures are still worth reporting)."""
     from pagedllm.bench.throughput import summarize
 
+    model_path = engine.model_path
     if peer == "hf":
         from pagedllm.bench.peers import hf_generate_throughput
 
-        runs = hf_generate_throughput(engine.model_path, prompts, engine.dtype, repeat=args.repeat)
+        runs = hf_generate_throughput(model_path, prompts, engine.dtype, repeat=args.repeat)
         return {"hf": _median([summarize(r) for r in runs])}
+    reason = _peer_unavailable(peer, model_path, args)
+    if reason:
+        print(f"{peer}: skipped: {reason}")
+        return {}
+    try:
+        rows = _peer_runs(peer, model_path, prompts, args)
+    except (RuntimeError, TimeoutError, OSError) as e:
+        print(f"{peer}: failed: {type(e).__name__}: {e}")
+        return {}
+    return {name: _median([summarize(r) for r in runs]) for name, runs in rows.items()}
+
+
+def _peer_unavailable(peer: str, model_path: Path, args) -> str | None:
+    if peer == "llama.cpp":
+        from pagedllm.bench import llamacpp_server
+
+        return llamacpp_server.unavailable_reason(llamacpp_server.binary_path(args.llama_server), model_path)
+    if peer == "openvino":
+        from pagedllm.bench import openvino
+
+        return openvino.unavailable_reason(model_path)
     from pagedllm.bench import llamacpp
 
-    reason = llamacpp.unavailable_reason(engine.model_path)
-    if reason:
-        print(f"llama.cpp: skipped: {reason}")
-        return {}
-    out = {}
-    for mode, runs in llamacpp.run_llamacpp(
-        engine.model_path, prompts, args.peer_threads, args.repeat
-    ).items():
-        out[mode] = _median([summarize(r) for r in runs])
-    return out
+    return llamacpp.unavailable_reason(model_path)
+
+
+def _peer_runs(peer: str, model_path: Path, prompts, args) -> dict[str, list[dict]]:
+    """{row name: [run, ...]}: llama-cpp-python gives two rows (one at a time, one batch)."""
+    if peer == "llama.cpp":
+        from pagedllm.bench import llamacpp_server
+
+        binary = llamacpp_server.binary_path(args.llama_server)
+        return {
+            "llama.cpp": llamacpp_server.run_llama_server(
+                binary, model_path, prompts, args.peer_threads, args.repeat
+            )
+        }
+    if peer == "openvino":
+        from pagedllm.bench import openvino
+
+        return {"openvino": openvino.run_openvino(model_path, prompts, args.peer_threads, args.repeat)}
+    from pagedllm.bench import llamacpp
+
+    return llamacpp.run_llamacpp(model_path, prompts, args.peer_threads, args.repeat)
 
 
 def _format_throughput(report: dict) -> str:

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Build llama.cpp's own llama-server once, for `pagedllm bench throughput --compare llama.cpp`.
+#
+# The source is the llama.cpp vendored in llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION (a pinned, released
+# snapshot from PyPI, the same one `pip install llama-cpp-python` would compile), built with cmake for this
+# CPU (GGML_NATIVE). It lands in $CACHE/bin/ (llama-server and the shared libraries it links), which is
+# where pagedllm looks by default; nothing is done when the binary is already there. About 25 minutes on
+# 2 cores. Needs cmake, a C++ compiler and pip (to download the sdist).
+# Knobs: LLAMA_CPP_PYTHON_VERSION, PAGEDLLM_LLAMA_CACHE (default ~/.cache/pagedllm/llama.cpp/<version>),
+# JOBS (default: nproc), PIP (default: python3 -m pip).
+set -euo pipefail
+
+VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}  # keep in step with pagedllm/bench/llamacpp_server.py
+CACHE=${PAGEDLLM_LLAMA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pagedllm/llama.cpp/$VERSION}
+JOBS=${JOBS:-$(nproc)}
+PIP=${PIP:-python3 -m pip}
+BIN="$CACHE/bin/llama-server"
+
+if [ -x "$BIN" ]; then
+    echo "llama-server is already built: $BIN"
+    exit 0
+fi
+command -v cmake >/dev/null || { echo "error: cmake is needed (apt-get install cmake)" >&2; exit 1; }
+
+SRC="$CACHE/src"
+mkdir -p "$SRC"
+if [ ! -d "$SRC/llama_cpp_python-$VERSION" ]; then
+    # the sdist, not a wheel: it is the one that carries vendor/llama.cpp
+    $PIP download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$SRC"
+    tar -xzf "$SRC/llama_cpp_python-$VERSION.tar.gz" -C "$SRC"
+fi
+LLAMA="$SRC/llama_cpp_python-$VERSION/vendor/llama.cpp"
+
+cmake -S "$LLAMA" -B "$LLAMA/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+cmake --build "$LLAMA/build" --target llama-server -j "$JOBS"
+
+# the binary and its shared libraries (libllama, libggml*, libmtmd) side by side: pagedllm runs it with
+# LD_LIBRARY_PATH set to that folder, so the build tree may be deleted afterwards
+mkdir -p "$CACHE/bin"
+cp -a "$LLAMA/build/bin/"*.so* "$CACHE/bin/" 2>/dev/null || true  # -a: the .so -> .so.0 links stay links
+cp "$LLAMA/build/bin/llama-server" "$BIN.tmp"
+mv "$BIN.tmp" "$BIN"  # last, so that a half-finished copy never counts as built
+LD_LIBRARY_PATH="$CACHE/bin" "$BIN" --version
+echo "built $BIN"
