@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 # torch first and pinned: the CPU wheel lies on local disk; a looser spec pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint clean bench
+.PHONY: install demo test test-avx2 lint clean bench
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -26,6 +26,15 @@ demo: install
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest -q --durations=15
+
+# The kernel and model-parity tests again with the CPU tier capped at avx2 (PAGEDLLM_CPU_ISA): the lowest
+# tier's kernels and defaults, checked on whatever CPU runs this (on an AVX2-only CPU it is the same tier).
+AVX2_TESTS := tests/test_cpu_kernels.py tests/test_paged_attention.py tests/test_woq_avx2.py \
+	tests/test_quant_linear.py tests/test_sampler.py tests/test_fuse.py tests/test_model_vs_hf.py \
+	tests/test_quant_model.py tests/test_kv_quant.py tests/test_bf16_vs_fp32.py tests/test_platform.py \
+	tests/test_ops_table.py
+test-avx2: install
+	PAGEDLLM_CPU_ISA=avx2 $(VENV)/bin/python -m pytest -q $(wildcard $(AVX2_TESTS))
 
 # Regenerates docs/benchmarks.md and docs/img/*.png (scripts/bench_all.sh; 15-25 minutes on 2 cores).
 bench: install
