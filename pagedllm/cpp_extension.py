@@ -3,7 +3,7 @@
 Each build is compiled for one instruction-set tier (platform.py: the flags of that tier, never
 -march=native) and lives in its own folder, keyed by the hash of the source and every project header it
 includes, the flags, the tier and the torch version:
-    ~/.cache/pagedllm/kernels/<name>-<tier>-<key>/       (PAGEDLLM_KERNEL_CACHE moves the root)
+    ~/.cache/pagedllm/kernels/<name>_<tier>_<key>/       (PAGEDLLM_KERNEL_CACHE moves the root)
 so two installs, two tiers or two torch builds never rebuild each other's objects. A build that has to
 compile says so on stderr first ("compiling ... once"); `pagedllm build-kernels` builds them all ahead.
 

@@ -72,8 +72,13 @@ def select(caps: platform.Capabilities) -> dict[str, Choice]:
     vec = "16 lanes at a time with AVX-512" if caps.at_least("avx512") else f"loops compiled for {tier}"
     out: dict[str, Choice] = {}
 
+    def loads(kernel: str) -> bool:
+        """The kernel is for a tier `caps` has (not only this process's) and it builds here."""
+        need = kernels.KERNELS[kernel].min_tier
+        return (need is None or caps.at_least(need)) and kernels.load(kernel) is not None
+
     def pick(op: str, kernel: str | None, backend: str, detail: str, fallback: str) -> None:
-        if kernel is not None and kernels.load(kernel) is not None:
+        if kernel is not None and loads(kernel):
             out[op] = Choice(op, backend, detail)
         else:
             out[op] = Choice(op, "torch", fallback)
@@ -103,13 +108,13 @@ def select(caps: platform.Capabilities) -> dict[str, Choice]:
         )
     else:
         out["linear"] = Choice("linear", "torch", "F.linear (MKL sgemm for fp32, ATen's bf16 gemm for bf16)")
-    if kernels.load("woq_amx") is not None:
+    if loads("woq_amx"):
         out["quantized_linear"] = Choice(
             "quantized_linear",
             "amx",
             "bf16: AVX512-BF16 dot products for 1-4 rows, AMX tiles above; fp32: avx2",
         )
-    elif kernels.load("woq_avx2") is not None:
+    elif loads("woq_avx2"):
         out["quantized_linear"] = Choice(
             "quantized_linear",
             "avx2",
@@ -122,7 +127,7 @@ def select(caps: platform.Capabilities) -> dict[str, Choice]:
             "torch's int4/int8 packed kernels for small bf16 batches, else the weight dequantized per call",
         )
     pick("argmax", "greedy", f"cpp-{tier}", "first maximum of each row in one pass", "torch max(dim)")
-    if kernels.load("decode_stack") is not None:
+    if loads("decode_stack"):
         out["decoder_stack"] = Choice(
             "decoder_stack", "fused-amx", "decode steps and fresh prefills in one C++ call (bf16, AMX layout)"
         )

@@ -61,12 +61,6 @@ def test_select_on_none_tier_is_all_reference():
         assert choice.backend not in HIGHER_BACKENDS
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: ops.select(caps) asks kernels.load(), which builds each kernel for the *process's* "
-    "platform.capabilities() tier, not for `caps`: on an AMX machine select(<avx2 caps>) picks "
-    "quantized_linear='amx' and decoder_stack='fused-amx'",
-)
 def test_select_honours_its_caps_argument_on_a_higher_cpu(monkeypatch):
     """The same check as above, as it would run on an AMX machine: every kernel the process's own tier
     allows is 'built' (a stub module), and select is asked about an avx2 capability set."""
