@@ -63,9 +63,9 @@ KERNELS: dict[str, Kernel] = {
     "decode_stack": Kernel(
         "pagedllm_decode_stack",
         "model/csrc/decode_stack.cpp",
-        "every decoder layer of a decode step in one call (AMX-layout or prepacked bf16 linears)",
-        min_tier="amx",
-        fixed_tier="amx",
+        "every decoder layer of a decode step in one call (AVX2-layout linears; at amx also AMX-layout and "
+        "prepacked bf16 ones)",
+        min_tier="avx2",  # built for this process's tier: the amx tier's build includes the AMX kernels
     ),
 }
 

@@ -127,9 +127,21 @@ def select(caps: platform.Capabilities) -> dict[str, Choice]:
             "torch's int4/int8 packed kernels for small bf16 batches, else the weight dequantized per call",
         )
     pick("argmax", "greedy", f"cpp-{tier}", "first maximum of each row in one pass", "torch max(dim)")
-    if loads("decode_stack"):
+    # built for this tier from avx2 up; below amx it serves only the AVX2 kernel's layout, so it is
+    # built there only where that kernel loads
+    wants_stack = caps.at_least("amx") or loads("woq_avx2")
+    stack = kernels.load("decode_stack") if wants_stack and loads("decode_stack") else None
+    if stack is not None and getattr(stack, "amx", True) and caps.at_least("amx"):
         out["decoder_stack"] = Choice(
-            "decoder_stack", "fused-amx", "decode steps and fresh prefills in one C++ call (bf16, AMX layout)"
+            "decoder_stack",
+            "fused-amx",
+            "decode steps and fresh prefills in one C++ call (bf16 AMX-layout or prepacked; AVX2 layout)",
+        )
+    elif stack is not None:
+        out["decoder_stack"] = Choice(
+            "decoder_stack",
+            "fused-avx2",
+            "decode steps and fresh prefills in one C++ call (AVX2-layout linears, fp32 or bf16)",
         )
     else:
         out["decoder_stack"] = Choice("decoder_stack", "per-op", "the model's layer loop, each op as above")

@@ -1,8 +1,9 @@
 """The C++ decode stack (model/decode_stack.py): all decoder layers of a step in one call.
 
 It makes the Python layer loop's calls from C++, so it must give the loop's hidden states and KV cache
-bit for bit, for fresh prefills and decode batches of every size (the 1-4 row kernel and the AMX tiles),
-and step aside for everything else.
+bit for bit, for fresh prefills and decode batches of every size (the 1-4 row kernel and the AMX tiles;
+the AVX2 int8-activation kernel in float32 and bf16 on every tier from avx2 up), and step aside for
+everything else.
 """
 
 import pytest
@@ -16,17 +17,21 @@ from pagedllm.model.build import build_model
 from pagedllm.model.fuse import fuse_for_inference
 from pagedllm.model.layers.packed_linear import prepacking_available
 from pagedllm.model.loader import default_model_path
-from pagedllm.quantization import amx
+from pagedllm.quantization import amx, avx2
 
 BF16 = torch.bfloat16
+FP32 = torch.float32
 needs_amx = pytest.mark.skipif(amx.load() is None, reason="no AMX on this CPU (or no compiler)")
+needs_avx2 = pytest.mark.skipif(
+    avx2.load() is None or decode_stack.load() is None, reason="no AVX2 kernel on this CPU (or no compiler)"
+)
 needs_prepacking = pytest.mark.skipif(
     not prepacking_available() or decode_stack.load() is None, reason="no oneDNN prepacking (or no compiler)"
 )
 
 
-def fused(path, quantization):
-    model, _ = build_model(path, BF16, quantization, show_progress=False)
+def fused(path, quantization, dtype=BF16):
+    model, _ = build_model(path, dtype, quantization, show_progress=False)
     fuse_for_inference(model)
     return model
 
@@ -67,8 +72,9 @@ def stack_and_loop(model, lengths: list[int], steps: int, block_size: int = 16):
     blocks = [-(-n // block_size) for n in total]
     tables = [[1 + i + b * len(lengths) for b in range(nb)] for i, nb in enumerate(blocks)]
     num_blocks = 2 + max(max(t) for t in tables)
+    dtype = model.model.embed_tokens.weight.dtype
     caches = [
-        torch.zeros(2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=BF16)
+        torch.zeros(2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
         for _ in range(cfg.num_layers)
     ]
     loop_caches = [c.clone() for c in caches]
@@ -168,8 +174,8 @@ def test_engine_greedy_outputs_are_the_same_without_the_stack():
 def test_stack_is_built_only_for_models_it_can_run(gguf_model, bf16_model, tiny_qwen2_path):
     fp32, _ = build_model(tiny_qwen2_path, torch.float32, show_progress=False)
     fuse_for_inference(fp32)
-    assert fp32.decode_stack is None  # fp32 activations: the layer loop
-    if amx.load() is None:  # quantized layers without the AMX layout: the layer loop
+    assert fp32.decode_stack is None  # unquantized fp32 linears (MKL): the layer loop
+    if amx.load() is None and avx2.load() is None:  # quantized layers without a kernel layout: the loop
         assert gguf_model.decode_stack is None
     if not prepacking_available():
         assert bf16_model.decode_stack is None
@@ -202,3 +208,73 @@ def test_stack_steps_aside_for_mixed_and_chunked_steps_and_quantized_caches():
     assert not decode_stack.applies(meta([12], [40]), x(12), [cache])  # a chunk after a cached prefix
     assert not decode_stack.applies(meta([1], [9]), x(1), [cache.to(torch.float32)])
     assert not decode_stack.applies(meta([1], [9]), x(1), [object()])  # a QuantizedKVCache
+
+
+# --- the AVX2 tier: AVX2-layout linears (the int8-activation kernel), float32 and bf16 activations ---
+
+# 1, 3 and 32 sequences, each prefilled fresh (a length-1 one is a decode), then decoded together
+AVX2_LENGTHS = [[37], [16, 1, 33], [(11 * i) % 53 + 1 for i in range(32)]]
+
+
+@pytest.fixture(scope="module")
+def gguf_model_fp32():
+    return fused(default_model_path(), "gguf", FP32)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_path(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("llama_fp32"))
+
+
+def assert_avx2_stack(model) -> None:
+    linear = model.model.layers[0].self_attn.qkv_proj
+    assert linear._avx2 and linear.path(1, model.model.embed_tokens.weight.dtype) == "avx2"
+    assert model.decode_stack is not None
+
+
+@needs_avx2
+@pytest.mark.parametrize("lengths", AVX2_LENGTHS, ids=["1 seq", "3 seqs", "32 seqs"])
+def test_avx2_stack_equals_the_layer_loop_on_the_default_gguf_model_fp32(gguf_model_fp32, lengths):
+    assert_avx2_stack(gguf_model_fp32)
+    assert_stack_equals_loop(gguf_model_fp32, lengths, steps=2)
+
+
+@needs_avx2
+@pytest.mark.parametrize("which", ["llama", "qwen2"])
+@pytest.mark.parametrize("lengths", AVX2_LENGTHS, ids=["1 seq", "3 seqs", "32 seqs"])
+def test_avx2_stack_equals_the_layer_loop_on_tiny_int4_fp32(which, lengths, tiny_llama_path, tiny_qwen2_path):
+    model = fused(tiny_llama_path if which == "llama" else tiny_qwen2_path, "int4", FP32)
+    assert_avx2_stack(model)
+    assert_stack_equals_loop(model, lengths, steps=3)
+
+
+@needs_avx2
+@pytest.mark.skipif(amx.load() is not None, reason="bf16 takes the AMX layout on this CPU (tested above)")
+def test_avx2_stack_equals_the_layer_loop_on_the_default_gguf_model_bf16(gguf_model):
+    assert_avx2_stack(gguf_model)
+    assert_stack_equals_loop(gguf_model, [16, 1, 33], steps=2)
+
+
+@needs_avx2
+@pytest.mark.parametrize("feature", ["architecture", "q_norm"])
+def test_a_model_feature_the_stack_lacks_gets_the_layer_loop(feature, tiny_llama_path):
+    model, _ = build_model(tiny_llama_path, FP32, "int4", show_progress=False)
+    if feature == "architecture":
+        model.config.architecture = "gemma"
+    else:
+        model.model.layers[1].self_attn.q_norm = torch.nn.Identity()
+    fuse_for_inference(model)
+    assert model.decode_stack is None
+    cfg = model.config
+    cache = [torch.zeros(2, 4, 16, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(16, 21),
+        query_start_loc=[0, 5],
+        seq_lens=[5],
+        block_tables=torch.tensor([[1]]),
+        num_decodes=0,
+        seq_lens_tensor=torch.tensor([5]),
+        block_size=16,
+    )
+    hidden = model(torch.arange(3, 8), torch.arange(5), cache, meta)
+    assert hidden.shape == (5, cfg.hidden_size) and torch.isfinite(hidden).all()

@@ -1,8 +1,9 @@
 """All decoder layers of a step in one C++ call (csrc/decode_stack.cpp).
 
 A single-stream decode step of a model whose linears are quantized in the AMX layout
-(quantization/linear.py) or prepacked bf16 (model/layers/packed_linear.py) costs more in the Python and
-dispatch around its ~12 calls a layer than in their arithmetic. The C++ stack makes the same calls on the
+(quantization/linear.py) or prepacked bf16 (model/layers/packed_linear.py) on the amx tier, or quantized in
+the AVX2 layout (quantization/avx2.py, float32 or bf16 activations) on every tier from avx2 up, costs more
+in the Python and dispatch around its ~12 calls a layer than in their arithmetic. The C++ stack makes the same calls on the
 same tensors (the functions the Python path binds, the same ATen and oneDNN ops), so its hidden states
 equal the Python path's bit for bit. It runs the steps that are all decodes (any number) and the
 prefill of one prompt with nothing cached before it (a request's first token); built by fuse.py when
@@ -27,21 +28,37 @@ logger = logging.getLogger("pagedllm")
 
 
 def load():
-    # it includes the AMX kernels (woq_amx.h), so it is built for the amx tier only; below it the model's
+    # built for this process's tier from avx2 up: the amx tier's build also takes AMX-layout linears
+    # (woq_amx.h; ext.amx is True), the others AVX2-layout and prepacked ones; below avx2 the model's
     # per-op path runs
     return kernels.load("decode_stack")
 
 
-def _linear_parts(layer) -> tuple[list[torch.Tensor], list[int]] | None:
-    """What the C++ Linear holds (csrc/decode_stack.cpp): bits 0 marks a prepacked bf16 weight."""
+# csrc/decode_stack.cpp's LinearKind
+_PACKED, _AMX, _AVX2 = 0, 1, 2
+
+
+def _linear_parts(layer, dtype: torch.dtype, amx_build: bool) -> tuple[list[torch.Tensor], list[int]] | None:
+    """What the C++ Linear holds (csrc/decode_stack.cpp) for the kernel the layer itself picks for `dtype`
+    activations: (kind, bits, group_size, out_features) and four tensors, or None where the stack cannot
+    make that call."""
     empty = torch.empty(0)
     if isinstance(layer, PackedLinear):
+        if dtype != torch.bfloat16:
+            return None
         bias = layer.bias if layer.bias is not None else empty
-        return [layer.packed_weight, empty, empty, bias], [0, 0, layer.out_features]
-    if not isinstance(layer, QuantLinear) or not layer._amx:
+        return [layer.packed_weight, empty, empty, bias], [_PACKED, 0, 0, layer.out_features]
+    if not isinstance(layer, QuantLinear):
         return None
-    bias = layer.bias.to(torch.bfloat16) if layer.bias is not None else empty  # as forward() rounds it
-    return [*layer._amx, bias], [layer.bits, layer.group_size or layer.in_features, layer.out_features]
+    group = layer.group_size or layer.in_features
+    if dtype == torch.bfloat16 and layer._amx and amx_build:
+        bias = layer.bias.to(torch.bfloat16) if layer.bias is not None else empty  # as forward() rounds it
+        return [*layer._amx, bias], [_AMX, layer.bits, group, layer.out_features]
+    # the AVX2 kernel serves every row count, so one row's path is every step's
+    if layer._avx2 and layer.path(1, dtype) == "avx2":
+        bias = layer.bias.float() if layer.bias is not None else empty  # as woq_avx2.cpp takes it
+        return [*layer._avx2, bias], [_AVX2, layer.bits, group, layer.out_features]
+    return None
 
 
 # What csrc/decode_stack.cpp computes, and nothing else: RMSNorm -> fused qkv (a bias allowed) -> rotate-half
@@ -76,9 +93,12 @@ def unsupported_reason(model) -> str | None:
 
 def build_decode_stack(model):
     """The C++ stack over `model`'s decoder layers, or None where it does not apply: a model feature it
-    does not implement (unsupported_reason), a linear neither in the AMX layout nor prepacked bf16
-    (fp32 models, CPUs below the amx tier), activations other than bf16, or no compiler."""
-    if model.model.embed_tokens.weight.dtype != torch.bfloat16 or load() is None:
+    does not implement (unsupported_reason), a linear whose kernel it cannot call (an unquantized float32
+    one, a layout other than the AMX one (amx tier, bf16), the AVX2 one (float32 or bf16) or prepacked
+    bf16), activations other than float32 / bf16, or no compiler (or a CPU below avx2)."""
+    dtype = model.model.embed_tokens.weight.dtype
+    ext = load()
+    if dtype not in (torch.float32, torch.bfloat16) or ext is None:
         return None
     reason = unsupported_reason(model)
     if reason is not None:
@@ -89,18 +109,15 @@ def build_decode_stack(model):
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        if any(w.dtype != torch.bfloat16 for w in norms):
+        if any(w.dtype != dtype for w in norms):
             return None
         tensors += [w.detach() for w in norms]
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            parts = _linear_parts(linear)
+            parts = _linear_parts(linear, dtype, ext.amx)
             if parts is None:
                 return None
             tensors += parts[0]
             shapes += parts[1]
-    ext = load()
-    if ext is None:
-        return None
     attn = model.model.layers[0].self_attn
     eps = model.model.layers[0].input_layernorm.eps
     return ext.DecodeStack(tensors, shapes, attn.num_heads, attn.num_kv_heads, attn.head_dim, eps, attn.scale)

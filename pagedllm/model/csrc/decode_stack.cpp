@@ -1,11 +1,12 @@
 // Every decoder layer of a step in one C++ call, for models whose linears are quantized in the AMX layout
-// (quantization/linear.py) or bf16 prepacked for oneDNN (model/layers/packed_linear.py), on the steps
-// that are all decodes, or one prompt's whole prefill.
+// (quantization/linear.py) or bf16 prepacked for oneDNN (model/layers/packed_linear.py) on the amx tier,
+// or quantized in the AVX2 layout (quantization/avx2.py; float32 or bf16 activations) on every tier from
+// avx2 up, on the steps that are all decodes, or one prompt's whole prefill.
 //
 // Why: a single-stream step of the default model served from its GGUF blocks spent ~13 ms in its 121
 // matmuls and ~6 ms in everything else, most of it the Python and dispatch around ~12 small calls a
 // layer. Here each layer is the same calls made from C++: the same functions the Python path binds
-// (layer_ops.h, paged_decode.h, woq_gemv.h, woq_amx.h) and the same ATen / oneDNN ops, on the same
+// (layer_ops.h, paged_decode.h, woq_gemv.h, woq_amx.h, woq_avx2.h) and the same ATen / oneDNN ops, on the same
 // tensors in the same order, so the result is the Python path's bit for bit, without its per-call cost.
 // Decode steps of 1-4 sequences on AMX-layout linears go one step further (small_decode): raw pointers
 // into buffers made once a step, no tensors per call.
@@ -14,9 +15,19 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "../../attention/csrc/paged_decode.h"
+#include "../../quantization/csrc/woq_avx2.h"
+#include "../layers/csrc/layer_ops.h"
+
+// The amx tier's build (kernels.py builds this file for the process's tier from avx2 up): the AMX-layout
+// linears and small_decode. Below it only the AVX2-layout and prepacked kinds exist.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PAGEDLLM_STACK_AMX 1
 #include "../../quantization/csrc/woq_amx.h"
 #include "../../quantization/csrc/woq_gemv.h"
-#include "../layers/csrc/layer_ops.h"
+#endif
+#if defined(PAGEDLLM_STACK_AMX) && defined(PAGEDLLM_DECODE_BF16)
+#define PAGEDLLM_STACK_SMALL_DECODE 1
+#endif
 
 #include <vector>
 
@@ -34,25 +45,38 @@ at::Tensor packed_bf16_linear(const at::Tensor& x, const at::Tensor& packed, con
   return stack.back().toTensor();
 }
 
-// One linear of a layer: quantized in the AMX layout (codes, scales, mins; a float32 bias or none), or,
-// with bits == 0, a bf16 weight prepacked for oneDNN (packed; a bf16 bias or none).
+// The kinds of linear (the first of the four shape numbers of each, decode_stack.py's _linear_parts).
+enum LinearKind : int64_t { kPacked = 0, kAmx = 1, kAvx2 = 2 };
+
+// One linear of a layer: quantized in the AMX layout (codes, scales, mins; a float32 bias or none), in the
+// AVX2 layout (avx2.pack's codes, scales, mins; a float32 bias or none), or a bf16 weight prepacked for
+// oneDNN (packed; a bf16 bias or none).
 struct Linear {
   at::Tensor codes, scales, mins, bias, packed;
-  int64_t bits, group_size, out_features;
+  int64_t kind, bits, group_size, out_features;
 
-  // the kernel the Python layer picks: QuantLinear.path() (dot products for a few rows, AMX tiles above),
-  // or PackedLinear's oneDNN call
+  // the kernel the Python layer picks: QuantLinear.path() (dot products for a few rows, AMX tiles above;
+  // or the AVX2 int8-activation kernel), or PackedLinear's oneDNN call
   at::Tensor operator()(const at::Tensor& x) const {
-    if (bits == 0) return packed_bf16_linear(x, packed, bias);
+    if (kind == kPacked) return packed_bf16_linear(x, packed, bias);
+    if (kind == kAvx2)  // avx2.matmul: x contiguous, the bias as float32
+      return woq_avx2::matmul_tensor(x.contiguous(), codes, scales, mins, bias, bits, group_size, out_features);
+#ifdef PAGEDLLM_STACK_AMX
     return woq::linear_tensor(x, codes, scales, mins, bias, bits, group_size, out_features);
+#else
+    TORCH_CHECK(false, "decode_stack: an AMX-layout linear in a build without AMX");
+    return {};
+#endif
   }
 
+#ifdef PAGEDLLM_STACK_SMALL_DECODE
   // The same as operator() for 1-4 rows of an AMX-layout linear (bits 4, 8), written into out [M, N]:
   // woq::gemv_tensor's kernel and split, without its tensors.
   void gemv_into(const at::BFloat16* x, int64_t M, int64_t K, at::BFloat16* out) const {
     woq::gemv_into(M, bits, x, K, codes, scales, mins, bias.defined() ? bias.data_ptr<float>() : nullptr,
                    group_size, out_features, out);
   }
+#endif
 };
 
 struct Layer {
@@ -64,12 +88,12 @@ class DecodeStack {
  public:
   // Per layer, in this order: input norm weight, post-attention norm weight, then for qkv, o, gate_up,
   // down: codes, scales, mins, bias (a prepacked bf16 linear: packed weight, two empty tensors, bias; an
-  // empty tensor for no bias); `shapes` holds (bits, group_size, out_features) for each of the four
-  // linears of each layer, bits 0 for a prepacked bf16 one.
+  // empty tensor for no bias); `shapes` holds (kind, bits, group_size, out_features) for each of the four
+  // linears of each layer (LinearKind; bits and group_size 0 for a prepacked bf16 one).
   DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> shapes, int64_t num_heads,
               int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {
-    constexpr size_t kTensors = 2 + 4 * 4, kShapes = 4 * 3;
+    constexpr size_t kTensors = 2 + 4 * 4, kShapes = 4 * 4;
     TORCH_CHECK(tensors.size() % kTensors == 0 && shapes.size() == tensors.size() / kTensors * kShapes,
                 "decode_stack: tensors and shapes do not describe whole layers");
     for (size_t l = 0; l < tensors.size() / kTensors; ++l) {
@@ -77,23 +101,27 @@ class DecodeStack {
       const int64_t* s = shapes.data() + l * kShapes;
       auto linear = [&](int i) {
         const at::Tensor* p = t + 2 + 4 * i;
-        const int64_t bits = s[3 * i];
-        if (bits == 0) return Linear{{}, {}, {}, p[3].numel() ? p[3] : at::Tensor(), p[0], 0, 0, s[3 * i + 2]};
+        const int64_t kind = s[4 * i], bits = s[4 * i + 1], group_size = s[4 * i + 2], n = s[4 * i + 3];
+        if (kind == kPacked) return Linear{{}, {}, {}, p[3].numel() ? p[3] : at::Tensor(), p[0], kind, 0, 0, n};
+#ifndef PAGEDLLM_STACK_AMX
+        TORCH_CHECK(kind == kAvx2, "decode_stack: this build (below the amx tier) takes AVX2-layout linears only");
+#endif
+        TORCH_CHECK(kind == kAmx || kind == kAvx2, "decode_stack: unknown linear kind ", kind);
         const at::Tensor bias = p[3].numel() ? p[3].to(at::kFloat).contiguous() : at::Tensor();
-        return Linear{p[0], p[1], p[2], bias, {}, bits, s[3 * i + 1], s[3 * i + 2]};
+        return Linear{p[0], p[1], p[2], bias, {}, kind, bits, group_size, n};
       };
       layers_.push_back(Layer{t[0], t[1], linear(0), linear(1), linear(2), linear(3)});
     }
-#ifdef PAGEDLLM_DECODE_BF16
+#ifdef PAGEDLLM_STACK_SMALL_DECODE
     // small_decode's kernels: every linear in the AMX layout, and bf16 attention tasks for these heads
     small_decode_layers_ = !layers_.empty() && paged::decode_tasks_bf16_for(head_dim, num_heads / num_kv_heads);
     for (const Layer& layer : layers_)
       for (const Linear* lin : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
-        small_decode_layers_ = small_decode_layers_ && lin->bits != 0;
+        small_decode_layers_ = small_decode_layers_ && lin->kind == kAmx;
 #endif
   }
 
-  // x [T, hidden] bf16 (the embeddings); cos / sin as rotary.cos_sin gives them; one cache per layer.
+  // x [T, hidden] bf16, or float32 (AVX2-layout linears) (the embeddings); cos / sin as rotary.cos_sin gives them; one cache per layer.
   // prefill: the T rows are one prompt with nothing cached before it (attention over the fresh K/V, as
   // attention/paged.py's _prefill_one); else T sequences decoding one token each (paged_decode).
   // Returns the hidden states after the last layer (before the final norm).
@@ -103,7 +131,7 @@ class DecodeStack {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "decode_stack: one KV cache per layer");
     const int64_t B = x.size(0), H = num_heads_, KVH = num_kv_heads_, D = head_dim_;
     if (layers_.empty()) return x;
-#ifdef PAGEDLLM_DECODE_BF16
+#ifdef PAGEDLLM_STACK_SMALL_DECODE
     if (!prefill && small_decode_applies(x, kv_caches, block_tables, seq_lens, slot_mapping))
       return small_decode(x, cos, sin, kv_caches, block_tables, seq_lens, slot_mapping);
 #endif
@@ -139,7 +167,7 @@ class DecodeStack {
   // same kernels run on raw pointers into buffers made once a step: woq::gemv with gemv_tensor's split,
   // layer_ops' row functions (silu_mul's rows included), paged_decode's bf16 tasks with its split, and
   // write_kv's copies. So the result is the general path's bit for bit (tests/test_decode_stack.py).
-#ifdef PAGEDLLM_DECODE_BF16
+#ifdef PAGEDLLM_STACK_SMALL_DECODE
   bool small_decode_applies(const at::Tensor& x, const std::vector<at::Tensor>& kv_caches,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             const at::Tensor& slot_mapping) const {
@@ -232,6 +260,11 @@ class DecodeStack {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+#ifdef PAGEDLLM_STACK_AMX
+  m.attr("amx") = true;  // whether this build takes AMX-layout linears (the amx tier's)
+#else
+  m.attr("amx") = false;
+#endif
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t, double,
                           double>())

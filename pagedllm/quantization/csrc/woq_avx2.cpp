@@ -40,17 +40,7 @@ static at::Tensor check_args(const at::Tensor& x, const at::Tensor& codes, const
 at::Tensor matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                   const c10::optional<at::Tensor>& bias, int64_t bits, int64_t group_size, int64_t N) {
   const at::Tensor b = check_args(x, codes, scales, mins, bias, bits, group_size, N);
-  const int64_t M = x.size(0), K = x.size(1);
-  at::Tensor out = at::empty({M, N}, x.options());
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  const bool half = scales.scalar_type() == at::kHalf;
-  if (x.scalar_type() == at::kFloat)
-    woq_avx2::matmul_into(x.data_ptr<float>(), M, K, codes.data_ptr<uint8_t>(), scales.data_ptr(), mins.data_ptr(),
-                          half, bits, group_size, bp, N, out.data_ptr<float>());
-  else
-    woq_avx2::matmul_into(x.data_ptr<at::BFloat16>(), M, K, codes.data_ptr<uint8_t>(), scales.data_ptr(),
-                          mins.data_ptr(), half, bits, group_size, bp, N, out.data_ptr<at::BFloat16>());
-  return out;
+  return woq_avx2::matmul_tensor(x, codes, scales, mins, b, bits, group_size, N);
 }
 
 // The float32-activation alternative for one float32 row (woq_avx2.h's panel_fp32), for measurement.

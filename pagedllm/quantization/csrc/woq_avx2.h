@@ -325,6 +325,25 @@ void matmul_into(const T* x, int64_t M, int64_t K, const uint8_t* codes, const v
     run(static_cast<const float*>(scales), static_cast<const float*>(mins));
 }
 
+// The same on tensors: x [M, K] float32 or bf16 (contiguous), codes / scales / mins in avx2.pack's layout,
+// bias float32 [N] or undefined; returns [M, N] in x's dtype. What woq_avx2.cpp binds (after its checks)
+// and what the fused decode stack (model/csrc/decode_stack.cpp) calls, so both run the same code.
+inline at::Tensor matmul_tensor(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                                const at::Tensor& mins, const at::Tensor& bias, int64_t bits, int64_t group_size,
+                                int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  const bool half = scales.scalar_type() == at::kHalf;
+  if (x.scalar_type() == at::kFloat)
+    matmul_into(x.data_ptr<float>(), M, K, codes.data_ptr<uint8_t>(), scales.data_ptr(), mins.data_ptr(), half, bits,
+                group_size, bp, N, out.data_ptr<float>());
+  else
+    matmul_into(x.data_ptr<at::BFloat16>(), M, K, codes.data_ptr<uint8_t>(), scales.data_ptr(), mins.data_ptr(),
+                half, bits, group_size, bp, N, out.data_ptr<at::BFloat16>());
+  return out;
+}
+
 // The float32-activation alternative for one row, kept for measurement (scripts/bench_woq_avx2.py times it
 // at M=1): the codes become float32 in registers (shift, mask, convert) and FMA with x itself, the scale and
 // min applied per group. Exact up to float32 summation order, but ~3x the instructions of the int8 path a
