@@ -25,13 +25,11 @@ then keep the dequantize + F.linear path.
 
 from __future__ import annotations
 
-from functools import cache
 from pathlib import Path
 
 import torch
 
-from pagedllm import platform
-from pagedllm.cpp_extension import load_cpp_extension
+from pagedllm import kernels
 from pagedllm.quantization.amx import exact_in_float16
 
 SOURCE = Path(__file__).parent / "csrc" / "woq_avx2.cpp"
@@ -39,12 +37,10 @@ COLS = 8  # output columns a panel (N is padded to a multiple)
 BLOCK = 32  # inputs an activation block; K and every group size are multiples
 
 
-@cache
 def load():
-    """The compiled module, or None where this CPU's tier is below avx2 or it cannot be built."""
-    if not platform.capabilities().at_least("avx2"):
-        return None
-    return load_cpp_extension("pagedllm_woq_avx2", SOURCE, tier="avx2")
+    """The compiled module, or None where this CPU's tier is below avx2 or it cannot be built: kernels.py's
+    one entry for it, so the op table, `pagedllm env` and this layer share one build and one load."""
+    return kernels.load("woq_avx2")
 
 
 def supports(bits: int, in_features: int, out_features: int, group_size: int | None) -> bool:
