@@ -2,7 +2,14 @@
 
 from pagedllm.version import __version__
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "__version__",
+]
 
 
 def __getattr__(name: str):
@@ -11,10 +18,10 @@ def __getattr__(name: str):
         from pagedllm.entrypoints.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from pagedllm.sampling_params import SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        from pagedllm import sampling_params
 
-        return SamplingParams
+        return getattr(sampling_params, name)
     if name in ("RequestOutput", "CompletionOutput"):
         from pagedllm import outputs
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.errors import InputError
 
@@ -15,6 +17,75 @@ class RequestOutputKind(enum.Enum):
 
     CUMULATIVE = 0  # one every step the request advances, with everything generated so far
     FINAL_ONLY = 2  # only the last one, when the request finishes (what offline LLM.generate needs)
+
+
+def closed_schema(schema: Any) -> Any:
+    """The schema with `"additionalProperties": false` on every object that lists properties and does not
+    say otherwise: what OpenAI's strict mode means, and what tool arguments mean (a small model given an
+    open object keeps inventing keys until max_tokens)."""
+    if isinstance(schema, list):
+        return [closed_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_schema(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's shape): exactly one of a JSON schema, any JSON object, a regex, a
+    choice among strings, or a grammar (Lark, or llama.cpp's GBNF). The engine masks every token that would
+    leave the language, and lets the request end exactly when the grammar can."""
+
+    json: str | dict[str, Any] | None = None  # a JSON schema (an object or its text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark (llguidance's dialect) or GBNF
+    json_object: bool | None = None  # any JSON object
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise InputError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar, json_object; "
+                f"got {', '.join(given) or 'none'}",
+                param="structured_outputs",
+            )
+        if self.choice is not None and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise InputError("structured_outputs.choice must be a non-empty list of strings", param="choice")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise InputError(f"structured_outputs.{name} must be a non-empty string", param=name)
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise InputError("structured_outputs.json must be a JSON schema object", param="json")
+
+    @property
+    def kind(self) -> str:
+        """json | regex | choice | grammar | json_object."""
+        if self.json_object and self.json is None:
+            return "json_object"
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
+
+    @property
+    def spec(self) -> str:
+        """The constraint as one text; (kind, spec) is what the grammar cache is keyed by. A schema keeps its
+        key order: the order of "properties" is the order the object's fields are written in."""
+        kind = self.kind
+        if kind == "json_object":
+            return '{"type": "object"}'
+        if kind == "choice":
+            return json.dumps(self.choice)
+        value = getattr(self, kind)
+        return json.dumps(value) if isinstance(value, dict) else value
 
 
 @dataclass
@@ -39,6 +110,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,5 +158,9 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             kinds = ", ".join(f"RequestOutputKind.{k.name}" for k in RequestOutputKind)
             raise bad("output_kind", f"must be one of {kinds}, got {self.output_kind!r}")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
         if any(not s for s in self.stop):
             raise bad("stop", "strings must not be empty")

@@ -80,7 +80,11 @@ class FakeTokenizer:
             ("" if skip_special_tokens else special[i]) if i in special else chr(i - _OFFSET) for i in ids
         )
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    chat_template = "<role>content"  # takes no tools: the server renders them with its fallback prompt
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools=None, **kwargs
+    ) -> str:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 

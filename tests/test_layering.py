@@ -23,7 +23,8 @@ LAYERS: list[set[str]] = [
     {"pagedllm.entrypoints.openai", "pagedllm.bench"},  # the HTTP server; benchmarks the CLI runs
     {"pagedllm.entrypoints"},  # the offline LLM class, engine_args.py
     {"pagedllm.engine"},  # LLMEngine, AsyncEngine, detokenizer
-    {"pagedllm.core", "pagedllm.worker", "pagedllm.eval"},  # scheduler + KV cache; model runner; perplexity
+    # scheduler + KV cache; model runner; perplexity; grammars for structured outputs
+    {"pagedllm.core", "pagedllm.worker", "pagedllm.eval", "pagedllm.structured_output"},
     {"pagedllm.model"},  # the decoder, its builder and fusions
     {"pagedllm.quantization"},  # QuantLinear and the quantizers
     {"pagedllm.attention", "pagedllm.model.layers", "pagedllm.model.loader"},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -50,6 +50,9 @@ class Request:
     generator: torch.Generator | None = None  # seeded by the engine when sampling_params.seed is set
     first_token_time: float | None = None
     num_preemptions: int = 0
+    # A StructuredOutputRequest (pagedllm.structured_output) when the output is constrained: the request is
+    # scheduled once its grammar is compiled (is_ready), and its matcher follows output_token_ids.
+    structured_output: Any = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -191,6 +191,8 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.scheduler_config.max_num_seqs:
                 request = self.waiting[0]
                 action = self._sibling_action(request)
+                if request.structured_output is not None and not request.structured_output.is_ready:
+                    action = "wait"  # its grammar compiles off the step; the others go on meanwhile
                 if action == "wait":
                     skipped.append(self.waiting.popleft())
                     continue

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.errors import InputError
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -161,6 +162,14 @@ class AsyncEngine:
         self._commands.put(("add", (request_id, prompt, params, arrival_time, stream, done)))
         await asyncio.wrap_future(done)
         return RequestStream(self, request_id, stream)
+
+    async def validate_structured_outputs(self, params: Any) -> None:
+        """Check a StructuredOutputsParams in a worker thread (InputError when malformed), so that neither
+        the event loop nor the engine's step waits for it; the engine later finds it in its cache."""
+        manager = getattr(self.engine, "structured_output", None)
+        if manager is None:
+            raise InputError("this engine has no structured outputs", param="structured_outputs")
+        await asyncio.get_running_loop().run_in_executor(None, manager.validate, params)
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,7 @@ from pagedllm.model.loader import resolve_model_path
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.units import format_size, parse_size
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -173,6 +175,10 @@ class LLMEngine:
             tokens / self.max_model_len,
         )
         self.eos_token_ids = sorted(set(cfg.eos_token_ids) | {self.tokenizer.eos_token_id} - {None})
+        self.structured_output = StructuredOutputManager(
+            self.tokenizer.hf, cfg.vocab_size, self.eos_token_ids
+        )
+        self._pending_grammars: dict[str, Request] = {}  # child id -> request whose grammar still compiles
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}
 
@@ -205,6 +211,9 @@ class LLMEngine:
                     param="prompt",
                 )
         self.scheduler.check_can_ever_fit(len(prompt_ids), max_tokens)
+        structured = params.structured_outputs
+        if structured is not None:
+            self.structured_output.validate(structured)  # a malformed constraint fails here, before any state
 
         now = arrival_time if arrival_time is not None else time.time()
         group = _Group(
@@ -234,6 +243,9 @@ class LLMEngine:
                 index=i,
                 generator=gen,
             )
+            if structured is not None:
+                req.structured_output = self.structured_output.request(structured)
+                self._pending_grammars[child_id] = req
             group.children.append(req)
             group.detokenizers.append(
                 IncrementalDetokenizer(
@@ -261,6 +273,7 @@ class LLMEngine:
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
             for cid in ids:
                 self._child_to_group.pop(cid, None)
+                self._pending_grammars.pop(cid, None)
 
     def warm_up(self) -> None:
         """One short prompt through both kinds of step (a prefill, then a decode), so that the first real
@@ -282,16 +295,20 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        failed = self._check_grammars()
         sched_out = self.scheduler.schedule()
+        if sched_out.is_empty and self._pending_grammars:
+            # nothing to run but grammars being compiled: wait for one instead of spinning
+            wait([r.structured_output.future for r in self._pending_grammars.values()], 0.05, FIRST_COMPLETED)
         now = time.time()
         for req in sched_out.scheduled_requests:
             group = self._child_to_group.get(req.request_id)
             if group is not None and group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
-        sampled = self.runner.execute_model(sched_out)
+        sampled = self.runner.execute_model(sched_out, self._grammar_bitmask(sched_out))
         self.scheduler.update_from_output(sched_out, {rid: s.token_id for rid, s in sampled.items()})
         now = time.time()
-        touched: dict[str, _Group] = {}
+        touched: dict[str, _Group] = {g.request_id: g for g in failed}
         for rid, s in sampled.items():
             group = self._child_to_group.get(rid)
             if group is None:
@@ -305,8 +322,16 @@ class LLMEngine:
                 group.logprobs[i].append(self._logprob_dict(s))
                 group.cumulative_logprob[i] += s.logprob
             stop = group.detokenizers[i].update([s.token_id])
+            grammar = req.structured_output
+            if grammar is not None and not req.is_finished and not grammar.accept_token(s.token_id):
+                logger.warning(
+                    "request %s: token %d is outside its grammar: %s", rid, s.token_id, grammar.error
+                )
             if stop is not None and not req.is_finished:
                 group.stop_reasons[i] = stop
+                self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
+            elif grammar is not None and grammar.is_terminated and not req.is_finished:
+                # the grammar ended (its text is complete): stop as at EOS, even under ignore_eos
                 self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
             elif req.is_finished and req.stop_reason is not None:
                 group.stop_reasons[i] = req.stop_reason
@@ -323,6 +348,36 @@ class LLMEngine:
                 continue  # nobody reads it: 32 outputs a step cost a W32 decode step ~0.3 ms
             outputs.append(self._make_output(group, finished))
         return outputs
+
+    def _check_grammars(self) -> list[_Group]:
+        """Drop compiled grammars from the pending set; a request whose grammar failed to compile is
+        aborted (its group is returned, to report it) while every other request goes on."""
+        failed: dict[str, _Group] = {}
+        for cid, req in list(self._pending_grammars.items()):
+            if not req.structured_output.is_ready:
+                continue
+            del self._pending_grammars[cid]
+            error = req.structured_output.error
+            if error is not None and not req.is_finished:
+                logger.error("request %s: its grammar failed to compile: %s", cid, error)
+                self.scheduler.finish_requests([cid], RequestStatus.FINISHED_ABORTED)
+                group = self._child_to_group.get(cid)
+                if group is not None:
+                    failed[group.request_id] = group
+        return list(failed.values())
+
+    def _grammar_bitmask(self, sched_out) -> tuple[list[str], torch.Tensor] | None:
+        """The token bitmasks of the constrained requests that sample this step (their last scheduled
+        position is their last known token), or None."""
+        constrained = [
+            r
+            for r in sched_out.scheduled_requests
+            if r.structured_output is not None
+            and r.num_computed_tokens + sched_out.num_scheduled_tokens[r.request_id] == r.num_tokens
+        ]
+        if not constrained:
+            return None
+        return [r.request_id for r in constrained], self.structured_output.grammar_bitmask(constrained)
 
     def _logprob_dict(self, s) -> dict[int, Logprob]:
         decode = self.tokenizer.decode

@@ -117,12 +117,28 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """The conversation as the prompt text; tools and template_kwargs (continue_final_message, and any
+        variable the template reads) are passed through to the template."""
         if not self.hf.chat_template:
             raise InputError("this model has no chat template; send a plain prompt instead", param="messages")
         return self.hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            tokenize=False,
+            **template_kwargs,
         )
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.hf.chat_template
 
     @property
     def eos_token_id(self) -> int | None:

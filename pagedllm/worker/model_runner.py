@@ -99,7 +99,11 @@ class ModelRunner:
         return ids, pos, meta, sample_rows, sampling_requests
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output) -> dict[str, SampledToken]:
+    def execute_model(
+        self, scheduler_output, grammar_bitmask: tuple[list[str], torch.Tensor] | None = None
+    ) -> dict[str, SampledToken]:
+        """grammar_bitmask: (request ids, their token bitmasks, one row each) for the requests whose next
+        token a grammar constrains (structured outputs)."""
         self.copy_blocks(scheduler_output.blocks_to_copy)
         requests = scheduler_output.scheduled_requests
         if not requests:
@@ -113,7 +117,13 @@ class ModelRunner:
         if len(sample_rows) < hidden.shape[0]:  # a pure decode step samples every row, in order
             hidden = hidden[sample_rows]
         logits = self.model.compute_logits(hidden, upcast=False)
-        out = sample_requests(logits, sampling_requests)
+        token_bitmask = None
+        if grammar_bitmask is not None:
+            mask_row = {rid: i for i, rid in enumerate(grammar_bitmask[0])}
+            rows = [i for i, r in enumerate(sampling_requests) if r.request_id in mask_row]
+            masks = grammar_bitmask[1][[mask_row[sampling_requests[i].request_id] for i in rows]]
+            token_bitmask = (rows, masks) if rows else None
+        out = sample_requests(logits, sampling_requests, token_bitmask)
         result = {}
         for i, req in enumerate(sampling_requests):
             result[req.request_id] = SampledToken(

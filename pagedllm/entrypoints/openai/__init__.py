@@ -14,13 +14,16 @@ and max_tokens checks, logprob decoding, and merging the output streams of sever
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from pagedllm.engine.async_engine import AsyncEngine, RequestStream
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.errors import InputError
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+logger = logging.getLogger("pagedllm.server")
 
 
 class OpenAIServing:
@@ -43,6 +46,27 @@ class OpenAIServing:
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
             raise APIError(f"The model `{model}` does not exist.", status=404, param="model")
+
+    def check_fields(self, request: Any) -> None:
+        """A field pagedllm does not implement is a 400 naming it; fields no API knows get one log line."""
+        request.check_refused()
+        unknown = request.unknown_fields()
+        if unknown:
+            logger.info("ignoring unknown request fields: %s", ", ".join(unknown))
+
+    async def validate_constraint(
+        self, constraint: StructuredOutputsParams | None, field: str | None
+    ) -> None:
+        """A malformed schema, regex or grammar is a 400 naming the field the client sent it in."""
+        if constraint is None:
+            return
+        try:
+            await self.engine.validate_structured_outputs(constraint)
+        except InputError as e:
+            message = str(e)
+            if field and field != "structured_outputs":
+                message = message.replace(f"structured_outputs.{constraint.kind}", field, 1)
+            raise InputError(message, param=field) from None
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         """Out-of-vocabulary ids would crash the embedding lookup inside a batched step: reject them here."""

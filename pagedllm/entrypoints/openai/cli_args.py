@@ -28,6 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds in-flight requests get to finish on shutdown before they are aborted (default: 10)",
     )
+    parser.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=["hermes", "json"],
+        help="how tool calls are read from the model's text when tool_choice is auto: hermes "
+        "(<tool_call>{...}</tool_call>, the fallback prompt's convention) or json (the whole output is "
+        "the call); default: %(default)s",
+    )
     add_engine_args(parser)
 
 

@@ -1,19 +1,22 @@
 """Request and response bodies of the OpenAI-compatible API (the subset pagedllm serves), as pydantic models.
 
-Field names and defaults follow OpenAI's API; vLLM's sampling extras (top_k, min_p, ...) are accepted too.
-Unknown fields are ignored, like OpenAI and vLLM do, so newer clients keep working.
+Field names and defaults follow OpenAI's API; vLLM's extras (top_k, min_p, structured_outputs, guided_*,
+...) are accepted too. Every field of either API is implemented or, when set to anything but its harmless
+default, refused with a 400 naming it (REFUSED); fields neither API knows are ignored with one log line
+(unknown_fields), like vLLM does, so newer clients keep working.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.errors import InputError
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams, closed_schema
 
 
 def random_id(prefix: str) -> str:
@@ -55,8 +58,70 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced exactly, strict or not
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs` object (its StructuredOutputsParams)."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+# Fields of OpenAI's or vLLM's request bodies that pagedllm does not implement, and the values that mean
+# "not asked for" (None always does): any other value is a 400 naming the field.
+_REFUSED_COMMON: dict[str, tuple[Any, ...]] = {
+    "best_of": (1,),  # more candidates than returned: not yet (best_of == n is plain n)
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "prompt_logprobs": (),
+    "allowed_token_ids": (),
+    "bad_words": ((), []),
+    "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "logits_processors": (),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "cache_salt": (),
+    "kv_transfer_params": (),
+    "vllm_xargs": (),
+    "priority": (0,),
+    "guided_decoding_backend": ("auto", "llguidance", "guidance"),
+    "guided_whitespace_pattern": (),
+    "structural_tag": (),
+    "service_tier": ("auto", "default"),
+    "store": (False,),
+    "metadata": (),
+    "prediction": (),
+    "web_search_options": (),
+    "audio": (),
+    "modalities": (["text"],),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "functions": (),
+    "function_call": (),
+}
+
+
 class _SamplingRequest(OpenAIBaseModel):
     """Fields completions and chat share, and their translation into SamplingParams."""
+
+    # unknown fields are kept (model_extra) so that the server can log them
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = _REFUSED_COMMON
 
     model: str | None = None
     n: int = 1
@@ -79,6 +144,114 @@ class _SamplingRequest(OpenAIBaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # accepted and unused: abuse-monitoring ids and a cache hint (prefix caching is automatic)
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # the refused ones (REFUSED), declared so that they are not taken for unknown fields
+    best_of: int | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    spaces_between_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    priority: int | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: Any = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    functions: Any = None
+    function_call: Any = None
+
+    def check_refused(self) -> None:
+        """400 for a field pagedllm does not implement, set to anything but 'not asked for'."""
+        for name, harmless in self.REFUSED.items():
+            value = getattr(self, name, None)
+            if value is None or value in harmless:
+                continue
+            if name == "best_of" and value == self.n:
+                continue
+            hint = {
+                "best_of": f" (best_of must equal n, {self.n}, or be left out)",
+                "functions": ": send tools instead",
+                "function_call": ": send tool_choice instead",
+            }
+            raise InputError(f"{name} is not supported by this server{hint.get(name, '')}", param=name)
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The output constraint the request asks for, and the field it came from (for error messages);
+        more than one of response_format (other than text), structured_outputs and guided_* is a 400."""
+        found: list[tuple[str, StructuredOutputsParams]] = []
+
+        def make(field: str, **kw: Any) -> None:
+            try:
+                found.append((field, StructuredOutputsParams(**kw)))
+            except InputError as e:
+                raise InputError(str(e).replace("structured_outputs", field, 1), param=field) from None
+
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            make("response_format", json_object=True)
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise InputError("response_format.json_schema.schema is required", param="response_format")
+            schema = rf.json_schema.json_schema
+            make("response_format", json=closed_schema(schema) if rf.json_schema.strict else schema)
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            make(
+                "structured_outputs",
+                json=so.json_,
+                regex=so.regex,
+                choice=so.choice,
+                grammar=so.grammar,
+                json_object=so.json_object,
+            )
+        for field, kind in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            value = getattr(self, field)
+            if value is not None:
+                if field == "guided_json" and isinstance(value, str):
+                    try:
+                        value = json.loads(value)
+                    except ValueError as e:
+                        raise InputError(f"guided_json is not JSON: {e}", param=field) from None
+                make(field, **{kind: value})
+        if len(found) > 1:
+            raise InputError(
+                f"only one output constraint per request, got {', '.join(f for f, _ in found)}",
+                param=found[1][0],
+            )
+        return (found[0][1], found[0][0]) if found else (None, None)
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -96,7 +269,12 @@ class _SamplingRequest(OpenAIBaseModel):
             out[token_id] = bias
         return out
 
-    def make_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def make_sampling_params(
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         """Raises InputError naming the SamplingParams field that is out of range."""
         return SamplingParams(
             n=self.n,
@@ -117,6 +295,7 @@ class _SamplingRequest(OpenAIBaseModel):
             logit_bias=self._logit_bias(),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=structured_outputs,
         )
 
     @property
@@ -134,6 +313,7 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None  # not supported: rejected when set
+    add_special_tokens: bool = True  # vLLM extra: the tokenizer's BOS etc. around a text prompt
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -176,10 +356,44 @@ class ContentPart(OpenAIBaseModel):
     text: str | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None = takes no arguments
+    strict: bool | None = None  # the schema is enforced when a call is forced, strict or not
+
+
+class ChatCompletionToolParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoiceFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedToolChoiceFunction
+
+
 class ChatMessageParam(OpenAIBaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         """The message's text; only text content parts are supported."""
@@ -196,17 +410,39 @@ class ChatMessageParam(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **_REFUSED_COMMON,
+        "echo": (False,),
+        "documents": (),
+        "chat_template": (),
+        "mm_processor_kwargs": (),
+    }
+
     messages: list[ChatMessageParam] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated by OpenAI, still widely sent
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True  # vLLM extra
+    tools: list[ChatCompletionToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = (
+        None  # default: auto with tools
+    )
+    parallel_tool_calls: bool = True
+    # vLLM extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is continued, not closed
+    add_special_tokens: bool = False  # the chat template already has the special tokens it wants
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    echo: bool | None = None
+    documents: Any = None
+    chat_template: str | None = None
+    mm_processor_kwargs: Any = None
 
 
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -239,9 +475,24 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """A streamed tool call: its first delta has index, id, type and name; later ones argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

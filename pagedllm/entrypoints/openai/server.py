@@ -98,11 +98,12 @@ def build_app(
     api_key: str | None = None,
     model_root: str | None = None,
     shutdown_timeout: float = 10.0,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
     metrics = ServerMetrics(engine.get_stats)
     engine.observer = metrics  # the loop thread records tokens and latencies as outputs arrive
     completions = OpenAIServingCompletion(engine, served_model_names)
-    chat = OpenAIServingChat(engine, served_model_names)
+    chat = OpenAIServingChat(engine, served_model_names, tool_call_parser=tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -156,7 +157,9 @@ def build_app(
         if (request.prompt is None) == (request.messages is None):
             raise InputError("give exactly one of prompt and messages", param="prompt")
         if request.messages is not None:
-            tokens = chat.render_messages(request.messages, request.add_generation_prompt)
+            tokens = chat.render_messages(
+                request.messages, add_generation_prompt=request.add_generation_prompt
+            )
             if request.add_special_tokens:  # rendered text already has its special tokens; add BOS if asked
                 tokens = chat.tokenizer.encode(chat.tokenizer.decode(tokens, skip_special_tokens=False))
         else:
@@ -187,7 +190,9 @@ class StartupGate:
         if self.app is not None:
             await self.app(scope, receive, send)
         elif scope["type"] == "http":
-            await error_response("the model is loading; retry when /health answers 200", 503)(scope, receive, send)
+            await error_response("the model is loading; retry when /health answers 200", 503)(
+                scope, receive, send
+            )
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -217,7 +222,12 @@ def run_server(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model
     # lifespan off: the real app arrives after uvicorn's startup; DrainingServer stops its engine instead
     config = uvicorn.Config(
-        gate, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="off"
+        gate,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        lifespan="off",
     )
     server = DrainingServer(config)
 
@@ -232,6 +242,7 @@ def run_server(args: argparse.Namespace) -> int:
                 api_key=args.api_key,
                 model_root=args.model,
                 shutdown_timeout=args.shutdown_timeout,
+                tool_call_parser=args.tool_call_parser,
             )
             logger.info("ready: serving %s on http://%s:%d", name, args.host, args.port)
         except BaseException as e:  # a bad option or model: stop the server and report it as the CLI would

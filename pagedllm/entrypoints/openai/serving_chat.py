@@ -1,9 +1,16 @@
-"""POST /v1/chat/completions: messages rendered with the tokenizer's chat template, streamed or not."""
+"""POST /v1/chat/completions: messages rendered with the tokenizer's chat template, streamed or not.
+
+Tools: tool_choice "auto" lets the model choose and parses what it wrote (--tool-call-parser);
+"required" and a named function are enforced with a grammar (the JSON schema of the allowed calls), so
+they hold for any model: "required" makes the model write a JSON list of {"name", "arguments"} objects,
+a named function only that function's arguments.
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.engine.async_engine import EngineClosedError, RequestFailedError, RequestStream
@@ -20,44 +27,141 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
     ChatMessage,
     ChatMessageParam,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    NamedToolChoice,
+    ToolCall,
     UsageInfo,
     dump_sse,
     random_id,
 )
+from pagedllm.entrypoints.openai.tool_parsers import JsonToolParser, ParsedCall, ParsedOutput, get_tool_parser
+from pagedllm.entrypoints.openai.tool_prompt import conversation, template_takes_tools
 from pagedllm.errors import InputError
+from pagedllm.sampling_params import StructuredOutputsParams, closed_schema
 
 ROLE = "assistant"
 
 
 @dataclass
+class ToolMode:
+    kind: str  # none | auto | required | named
+    name: str | None = None  # the named function
+
+
+@dataclass
 class _ChoiceState:
-    text_len: int = 0
+    text_len: int = 0  # content characters sent
     num_tokens: int = 0
     finished: bool = False
+    call_ids: list[str] = field(default_factory=list)  # tool calls whose header was sent
+    call_args_len: list[int] = field(default_factory=list)  # argument characters sent per call
+
+
+def forced_calls_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """tool_choice="required": a JSON list of one call (or several, with parallel_tool_calls) of the tools."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                "arguments": t["function"].get("parameters") or {"type": "object", "properties": {}},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine: Any, served_model_names: Any, tool_call_parser: str = "hermes"):
+        super().__init__(engine, served_model_names)
+        self.tool_parser = get_tool_parser(tool_call_parser)
+
     def render_messages(
-        self, messages: list[ChatMessageParam], add_generation_prompt: bool = True
+        self,
+        messages: list[ChatMessageParam],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+        **template_kwargs: Any,
     ) -> list[int]:
-        """Chat template -> text -> token ids (the template already has the special tokens it wants)."""
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        """Chat template -> text -> token ids (the template already has the special tokens it wants).
+        tools: the tool definitions offered to the model (tool_prompt.py says how they are rendered)."""
+        native = template_takes_tools(self.tokenizer.chat_template)
+        convo = conversation(messages, tools, native)
         try:
             text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt
+                convo,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools if native else None,
+                **template_kwargs,
             )
         except Exception as e:  # templates raise on roles/orders they do not support
             raise InputError(f"cannot apply the chat template: {e}", param="messages") from e
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    @staticmethod
+    def tool_mode(request: ChatCompletionRequest) -> ToolMode:
+        choice = request.tool_choice
+        if choice is None:
+            choice = "auto" if request.tools else "none"
+        if choice == "none":
+            return ToolMode("none")
+        if not request.tools:
+            raise InputError(
+                f"tool_choice {choice if isinstance(choice, str) else 'function'} needs tools",
+                param="tool_choice",
+            )
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in request.tools]
+            if choice.function.name not in names:
+                raise InputError(
+                    f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                    f"({', '.join(names)})",
+                    param="tool_choice",
+                )
+            return ToolMode("named", choice.function.name)
+        return ToolMode(choice)
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         self.check_model(request.model)
+        self.check_fields(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise InputError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        token_ids = self.render_messages(request.messages, request.add_generation_prompt)
+        mode = self.tool_mode(request)
+        tools = (
+            [t.model_dump(exclude_none=True) for t in request.tools or []] if mode.kind != "none" else None
+        )
+        constraint, field = request.structured_outputs_params()
+        if mode.kind in ("required", "named"):
+            if constraint is not None:
+                raise InputError(
+                    f"tool_choice {mode.kind} cannot be combined with {field}", param="tool_choice"
+                )
+            if mode.kind == "named":
+                fn = next(t["function"] for t in tools if t["function"]["name"] == mode.name)
+                schema = fn.get("parameters") or {"type": "object", "properties": {}}
+            else:
+                schema = forced_calls_schema(tools, request.parallel_tool_calls)
+            constraint, field = StructuredOutputsParams(json=closed_schema(schema)), "tools"
+        token_ids = self.render_messages(
+            request.messages,
+            tools,
+            add_generation_prompt=request.add_generation_prompt,
+            add_special_tokens=request.add_special_tokens,
+            continue_final_message=request.continue_final_message,
+            **(request.chat_template_kwargs or {}),
+        )
 
         max_tokens_param = (
             "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
@@ -68,21 +172,53 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.resolve_max_tokens(len(token_ids), requested, "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         try:
-            params = request.make_sampling_params(max_tokens, logprobs)
+            params = request.make_sampling_params(max_tokens, logprobs, constraint)
         except InputError as e:  # say the field the client sent, not the SamplingParams name
             e.param = {"logprobs": "top_logprobs", "max_tokens": max_tokens_param}.get(e.param or "", e.param)
             raise
         self.check_context(len(token_ids), params, max_tokens_param)
+        await self.validate_constraint(constraint, field)
 
         request_id = random_id("chatcmpl")
         (stream,) = await self.add_requests(request_id, [token_ids], params)
         if request.stream:
-            return self._stream(request, request_id, len(token_ids), stream)
+            return self._stream(request, mode, request_id, len(token_ids), stream)
         try:
             (final,) = await last_outputs([stream])
         finally:
             stream.close()
-        return self._response(request, request_id, final)
+        return self._response(request, mode, request_id, final)
+
+    # ------------------------------------------------------------------ tool calls out of the text
+
+    def parse_tools(self, mode: ToolMode, text: str) -> ParsedOutput:
+        """Content and tool calls of a (possibly still growing) output."""
+        if mode.kind == "named":
+            arguments = text.strip()
+            try:
+                complete = isinstance(json.loads(arguments), dict)
+            except ValueError:
+                complete = False
+            return ParsedOutput("", [ParsedCall(mode.name, arguments, complete)])
+        if mode.kind == "required":
+            return JsonToolParser().parse(text)
+        if mode.kind == "auto":
+            return self.tool_parser.parse(text)
+        return ParsedOutput(text)
+
+    def _message(self, mode: ToolMode, text: str, finish_reason: str) -> tuple[ChatMessage, str]:
+        if mode.kind == "none":
+            return ChatMessage(role=ROLE, content=text), finish_reason
+        parsed = self.parse_tools(mode, text)
+        calls = parsed.valid_calls()
+        if not calls:
+            return ChatMessage(role=ROLE, content=text), finish_reason
+        tool_calls = [ToolCall(function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
+        content = parsed.content.strip() or None
+        return (
+            ChatMessage(role=ROLE, content=content, tool_calls=tool_calls),
+            "tool_calls" if finish_reason == "stop" else finish_reason,
+        )
 
     def _logprobs(
         self, token_ids: list[int], logprobs: list[dict[int, Any]], num_top: int
@@ -109,19 +245,17 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionLogProbs(content=content)
 
     def _response(
-        self, request: ChatCompletionRequest, request_id: str, final: Any
+        self, request: ChatCompletionRequest, mode: ToolMode, request_id: str, final: Any
     ) -> ChatCompletionResponse:
         choices = []
         for out in final.outputs:
             logprobs = None
             if request.logprobs:
                 logprobs = self._logprobs(out.token_ids, out.logprobs or [], request.top_logprobs or 0)
+            message, finish_reason = self._message(mode, out.text, out.finish_reason or "stop")
             choices.append(
                 ChatCompletionResponseChoice(
-                    index=out.index,
-                    message=ChatMessage(role=ROLE, content=out.text),
-                    logprobs=logprobs,
-                    finish_reason=out.finish_reason or "stop",
+                    index=out.index, message=message, logprobs=logprobs, finish_reason=finish_reason
                 )
             )
         choices.sort(key=lambda c: c.index)
@@ -134,8 +268,47 @@ class OpenAIServingChat(OpenAIServing):
         )
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
 
+    def _deltas(self, mode: ToolMode, state: _ChoiceState, text: str, finished: bool) -> DeltaMessage | None:
+        """What a streamed choice has not sent yet of `text`: content, then tool-call headers (index, id,
+        type, name) as soon as a call's name is complete, then its argument fragments."""
+        if mode.kind == "none":
+            content = text
+            parsed = None
+        else:
+            parsed = self.parse_tools(mode, text)
+            content = parsed.content
+            if finished and not state.call_ids:  # no call came: whatever was held back is content
+                content = text
+        delta = DeltaMessage()
+        if len(content) > state.text_len:
+            delta.content = content[state.text_len :]
+            state.text_len = len(content)
+        for i, call in enumerate(parsed.calls if parsed is not None else []):
+            if i == len(state.call_ids):
+                if not call.name:
+                    break
+                state.call_ids.append(random_id("call"))
+                state.call_args_len.append(0)
+                header = DeltaFunctionCall(name=call.name, arguments="")
+                delta.tool_calls = (delta.tool_calls or []) + [
+                    DeltaToolCall(index=i, id=state.call_ids[i], type="function", function=header)
+                ]
+            new = call.arguments[state.call_args_len[i] :]
+            if new:
+                state.call_args_len[i] = len(call.arguments)
+                fragment = DeltaToolCall(index=i, function=DeltaFunctionCall(arguments=new))
+                delta.tool_calls = (delta.tool_calls or []) + [fragment]
+        if delta.content is None and delta.tool_calls is None:
+            return None
+        return delta
+
     async def _stream(
-        self, request: ChatCompletionRequest, request_id: str, num_prompt_tokens: int, stream: RequestStream
+        self,
+        request: ChatCompletionRequest,
+        mode: ToolMode,
+        request_id: str,
+        num_prompt_tokens: int,
+        stream: RequestStream,
     ) -> AsyncIterator[str]:
         def chunk(choices: list[ChatCompletionResponseStreamChoice], usage: UsageInfo | None = None) -> str:
             return dump_sse(
@@ -159,7 +332,6 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     token_ids = list(out.token_ids)
                     new_ids = token_ids[state.num_tokens :]
-                    delta = out.text[state.text_len :]
                     logprobs = None
                     if request.logprobs and new_ids:
                         new_lps = (out.logprobs or [])[state.num_tokens : len(token_ids)]
@@ -167,13 +339,15 @@ class OpenAIServingChat(OpenAIServing):
                     finish = out.finish_reason or ("stop" if output.finished else None)
                     completion_tokens += len(new_ids)
                     state.num_tokens = len(token_ids)
-                    state.text_len = len(out.text)
-                    if not delta and not finish and logprobs is None:
+                    delta = self._deltas(mode, state, out.text, finish is not None)
+                    if delta is None and not finish and logprobs is None:
                         continue
                     state.finished = finish is not None
+                    if finish == "stop" and state.call_ids:
+                        finish = "tool_calls"
                     choice = ChatCompletionResponseStreamChoice(
                         index=out.index,
-                        delta=DeltaMessage(content=delta),
+                        delta=delta or DeltaMessage(content=""),
                         logprobs=logprobs,
                         finish_reason=finish,
                     )

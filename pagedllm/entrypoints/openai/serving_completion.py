@@ -58,7 +58,8 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = []
         for item in raw:
             if isinstance(item, str):
-                prompts.append(_Prompt(self.tokenizer.encode(item), item))
+                ids = self.tokenizer.encode(item, add_special_tokens=request.add_special_tokens)
+                prompts.append(_Prompt(ids, item))
             else:
                 self.check_token_ids(item, "prompt")
                 prompts.append(_Prompt(list(item), None))
@@ -73,13 +74,16 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
         self.check_model(request.model)
+        self.check_fields(request)
         if request.suffix:
             raise InputError("suffix is not supported", param="suffix")
+        constraint, field = request.structured_outputs_params()
         prompts = self._prompts(request)
         # One SamplingParams for the batch: a default max_tokens follows the longest prompt.
         longest = max(len(p.token_ids) for p in prompts)
         max_tokens = self.resolve_max_tokens(longest, request.max_tokens, "prompt")
-        params = request.make_sampling_params(max_tokens, request.logprobs)
+        params = request.make_sampling_params(max_tokens, request.logprobs, constraint)
+        await self.validate_constraint(constraint, field)
         self.check_context(longest, params, "max_tokens")
 
         request_id = random_id("cmpl")

@@ -1,0 +1,148 @@
+"""StructuredOutputManager: compiles grammars off the engine step, and fills each step's token bitmask.
+
+A grammar is compiled once per (kind, spec) text into an llguidance LLMatcher, in a background thread
+(the constructor drops the GIL), and cached; every request gets its own cheap copy (deep_copy, ~10 us), so
+n > 1 siblings and later requests with the same schema share the compile. A request whose grammar is not
+ready yet simply waits in the scheduler; everything else keeps running.
+
+The bitmask is one int32 row per constrained request, bit t of the row allowing token t (llguidance's
+layout, 32 tokens a word); llguidance fills the rows of a whole step in parallel Rust threads, and the
+sampler applies them to the batch in one tensor operation.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import torch
+
+from pagedllm.errors import InputError
+from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.grammar import grammar_text
+
+logger = logging.getLogger("pagedllm")
+
+MAX_CACHED_GRAMMARS = 256  # compiled matchers kept (a JSON schema's is tens of KB)
+
+
+class StructuredOutputRequest:
+    """One request's matcher: waits for its compiled grammar, then follows the tokens the request samples."""
+
+    def __init__(self, compiled: Future):
+        self._compiled = compiled
+        self.matcher: llguidance.LLMatcher | None = None
+
+    @property
+    def is_ready(self) -> bool:
+        """The grammar is compiled (or failed: see error); never blocks."""
+        if self.matcher is None and self._compiled.done() and self._compiled.exception() is None:
+            self.matcher = self._compiled.result().deep_copy()
+        return self._compiled.done()
+
+    @property
+    def future(self) -> Future:
+        return self._compiled
+
+    @property
+    def error(self) -> str | None:
+        exc = self._compiled.exception() if self._compiled.done() else None
+        if exc is not None:
+            return str(exc)
+        if self.matcher is not None and self.matcher.is_error():
+            return self.matcher.get_error()
+        return None
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance over a sampled token; False when the grammar did not allow it (the matcher then stays in
+        an error state, and its mask allows only EOS)."""
+        assert self.matcher is not None, "a request samples only once its grammar is ready"
+        return self.matcher.consume_token(token_id)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last num_tokens accepted (rejected speculative tokens)."""
+        assert self.matcher is not None
+        self.matcher.rollback(num_tokens)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar has ended: its text is complete and nothing, not even more whitespace, may follow."""
+        return self.matcher is not None and self.matcher.is_stopped()
+
+
+class StructuredOutputManager:
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]):
+        self._hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+        self._eos_token_ids = list(eos_token_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None  # ~0.5 s to build: on the first grammar
+        self._lock = threading.Lock()
+        self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._compile_thread: ThreadPoolExecutor | None = None
+        self._fill_executor: llguidance.LLExecutor | None = None
+
+    @property
+    def bitmask_width(self) -> int:
+        return (self.vocab_size + 31) // 32
+
+    # ------------------------------------------------------------------ compile (any thread)
+
+    def validate(self, params: StructuredOutputsParams) -> None:
+        """InputError naming the field when the constraint is malformed; a few ms, cached."""
+        grammar_text(params)
+
+    def request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
+        """Validate now (InputError), compile in the background (or take the cached compile)."""
+        grammar = grammar_text(params)
+        key = (params.kind, params.spec)
+        with self._lock:
+            future = self._compiled.get(key)
+            if future is None or (future.done() and future.exception() is not None):
+                if self._compile_thread is None:
+                    self._compile_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedllm-grammar")
+                future = self._compile_thread.submit(self._compile, grammar)
+                self._compiled[key] = future
+                while len(self._compiled) > MAX_CACHED_GRAMMARS:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(key)
+        return StructuredOutputRequest(future)
+
+    def _compile(self, grammar: str) -> llguidance.LLMatcher:
+        matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise InputError(f"structured_outputs cannot be compiled: {matcher.get_error()}")
+        return matcher
+
+    def _ll_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            try:
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids or None
+                )
+            except Exception as e:  # a slow (Python) tokenizer, or a vocabulary llguidance cannot read
+                raise InputError(f"structured outputs need a fast tokenizer this model lacks: {e}") from e
+        return self._tokenizer
+
+    # ------------------------------------------------------------------ each step (engine thread)
+
+    def grammar_bitmask(self, requests: Sequence[Any]) -> torch.Tensor:
+        """[len(requests), bitmask_width] int32, row i the tokens requests[i].structured_output allows next."""
+        bitmask = torch.full((len(requests), self.bitmask_width), -1, dtype=torch.int32)
+        if self._fill_executor is None:
+            self._fill_executor = llguidance.LLExecutor()
+        matchers = [(r.structured_output.matcher, i) for i, r in enumerate(requests)]
+        self._fill_executor.unsafe_compute_mask_ptr(
+            matchers, bitmask.data_ptr(), self.bitmask_width * 4, len(requests)
+        )
+        return bitmask
+
+    def shutdown(self) -> None:
+        if self._compile_thread is not None:
+            self._compile_thread.shutdown(wait=False, cancel_futures=True)
