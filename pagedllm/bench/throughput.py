@@ -7,11 +7,24 @@ import time
 from pagedllm.bench.dataset import BenchPrompt
 
 
-def run_offline(llm, prompts: list[BenchPrompt], ignore_eos: bool = True, use_tqdm: bool = True) -> dict:
+def run_offline(
+    llm,
+    prompts: list[BenchPrompt],
+    ignore_eos: bool = True,
+    use_tqdm: bool = True,
+    structured_outputs=None,
+) -> dict:
+    """structured_outputs: a StructuredOutputsParams every request is constrained by (None: none)."""
     from pagedllm.sampling_params import SamplingParams
 
     params = [
-        SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=ignore_eos) for p in prompts
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=p.max_tokens,
+            ignore_eos=ignore_eos,
+            structured_outputs=structured_outputs,
+        )
+        for p in prompts
     ]
     # every run starts cold: a repeat must not find the previous run's prompts in the prefix cache
     llm.reset_prefix_cache()

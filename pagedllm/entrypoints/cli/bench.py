@@ -81,6 +81,14 @@ def _add_throughput(sub) -> None:
         help="the llama-server binary for --compare llama.cpp (default: $PAGEDLLM_LLAMA_SERVER, else the "
         "build script's ~/.cache/pagedllm/llama.cpp/<version>/bin/llama-server)",
     )
+    t.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE|builtin",
+        help="also run every prompt constrained by this JSON schema (builtin: bench/structured.py, a list of "
+        "records no request can finish within max_tokens), alternating with the unconstrained runs; reports "
+        "both, the ratio, and the schema's compile time",
+    )
     add_engine_args(t)
     t.set_defaults(run=run_throughput)
 
@@ -168,9 +176,28 @@ def run_throughput(args: argparse.Namespace) -> int:
     llm = LLM(**engine_kwargs(args), show_progress=False)
     engine = llm.llm_engine
     prompts = _prompts(args, 32, engine.model_config.vocab_size)
+    constraint = None
+    if args.json_schema:
+        from pagedllm.bench.structured import compile_times, load_schema
+        from pagedllm.sampling_params import StructuredOutputsParams
+
+        constraint = StructuredOutputsParams(json=load_schema(args.json_schema))
+        times = compile_times(engine, constraint)
+        print(
+            f"grammar: tokenizer indexed in {times['grammar_tokenizer_s'] * 1000:.0f} ms (once per engine), "
+            f"schema compiled in {times['grammar_compile_s'] * 1000:.1f} ms (once per schema)"
+        )
     run_offline(llm, prompts[:2], args.ignore_eos, use_tqdm=False)  # warm-up
-    runs = [summarize(run_offline(llm, prompts, args.ignore_eos)) for _ in range(args.repeat)]
+    runs, constrained = [], []
+    for _ in range(args.repeat):  # alternated, so that both see the same machine
+        runs.append(summarize(run_offline(llm, prompts, args.ignore_eos)))
+        if constraint is not None:
+            constrained.append(
+                summarize(run_offline(llm, prompts, args.ignore_eos, structured_outputs=constraint))
+            )
     report: dict = {"pagedllm": _median(runs)}
+    if constrained:
+        report["pagedllm+json"] = {**_median(constrained), **times}
     for peer in dict.fromkeys(args.compare):  # once each, in the order given
         report.update(_run_peer(peer, engine, prompts, args))
     for name in [k for k, v in report.items() if isinstance(v, dict) and k != "pagedllm"]:
