@@ -155,8 +155,6 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and not 0 <= v <= MAX_LOGPROBS:
                 raise bad(name, f"must be in [0, {MAX_LOGPROBS}], got {v}")
-        if self.prompt_logprobs is not None:
-            raise bad("prompt_logprobs", "is not supported yet (it would be silently left uncomputed)")
         if not isinstance(self.output_kind, RequestOutputKind):
             kinds = ", ".join(f"RequestOutputKind.{k.name}" for k in RequestOutputKind)
             raise bad("output_kind", f"must be one of {kinds}, got {self.output_kind!r}")

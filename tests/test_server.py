@@ -10,6 +10,7 @@ No test measures time: every wait is a bounded poll with a generous timeout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -75,16 +76,15 @@ def wait_healthy(base_url: str, timeout: float, alive: Callable[[], bool] = lamb
     wait_until(healthy, timeout, "/health")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerInfo]:
-    """The real server with SmolLM2-135M ("default"), kept light on KV blocks and batch size."""
+@contextlib.contextmanager
+def running_server(log: Path, *args: str, model: str = "default") -> Iterator[ServerInfo]:
+    """The real server (`python -m pagedllm.entrypoints.openai.server`) on 127.0.0.1 and a free port,
+    with the API key and `args`; stopped on exit. Its log goes to `log` and is shown if it fails to start."""
     port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [
         sys.executable, "-m", "pagedllm.entrypoints.openai.server",
-        "--model", "default", "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
-        "--num-kv-blocks", "512", "--max-num-seqs", "32", "--max-model-len", "2048",
-        "--log-level", "warning",
+        "--model", model, "--host", "127.0.0.1", "--port", str(port), "--api-key", API_KEY,
+        "--log-level", "warning", *args,
     ]  # fmt: skip
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(repo) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -96,7 +96,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerInfo]:
             wait_healthy(base_url, STARTUP_TIMEOUT_S, alive=lambda: proc.poll() is None)
         except AssertionError as e:
             raise AssertionError(f"{e}\n--- server log ---\n{log.read_text()[-5000:]}") from None
-        yield ServerInfo(base_url=base_url, model="default", long_max_tokens=1000)
+        yield ServerInfo(base_url=base_url, model=model, long_max_tokens=1000)
     finally:
         proc.terminate()
         try:
@@ -104,6 +104,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerInfo]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerInfo]:
+    """The real server with SmolLM2-135M ("default"), kept light on KV blocks and batch size."""
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with running_server(
+        log, "--num-kv-blocks", "512", "--max-num-seqs", "32", "--max-model-len", "2048"
+    ) as info:
+        yield info
 
 
 @pytest.fixture

@@ -232,7 +232,7 @@ def test_bad_constraints_and_unsupported_fields_are_400s_naming_the_field(client
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"best_of": 3}, "best_of"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
         ({"use_beam_search": True}, "use_beam_search"),
         ({"functions": [WEATHER["function"]]}, "functions"),
         ({"store": True}, "store"),

@@ -77,8 +77,10 @@ class KVCacheManager:
         """Longest cached prefix of full blocks, and how many tokens it covers.
 
         Never the whole sequence: the last token must be computed so there are logits to sample from.
+        None for a request that asks for prompt logprobs: every prompt position must run through the model
+        (vLLM does the same), though its blocks are still cached for others.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[Block] = []

@@ -92,6 +92,8 @@ class _Group:
     cumulative_logprob: list[float | None]
     metrics: RequestMetrics
     stop_reasons: list[str | int | None] = field(default_factory=list)
+    # prompt_logprobs asked for: [None] (the first token) then one dict per prompt token computed so far
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class LLMEngine:
@@ -227,6 +229,7 @@ class LLMEngine:
             cumulative_logprob=[],
             metrics=RequestMetrics(arrival_time=now),
             stop_reasons=[None] * params.n,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -305,7 +308,10 @@ class LLMEngine:
             group = self._child_to_group.get(req.request_id)
             if group is not None and group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
-        sampled = self.runner.execute_model(sched_out, self._grammar_bitmask(sched_out))
+        runner_out = self.runner.execute_model(sched_out, self._grammar_bitmask(sched_out))
+        sampled = runner_out.sampled
+        for rid, part in runner_out.prompt_logprobs.items():
+            self._add_prompt_logprobs(rid, part)
         self.scheduler.update_from_output(sched_out, {rid: s.token_id for rid, s in sampled.items()})
         now = time.time()
         touched: dict[str, _Group] = {g.request_id: g for g in failed}
@@ -379,6 +385,27 @@ class LLMEngine:
             return None
         return [r.request_id for r in constrained], self.structured_output.grammar_bitmask(constrained)
 
+    def _add_prompt_logprobs(self, child_id: str, part) -> None:
+        """Append a step's prompt logprobs to the group's; positions already there (a recompute after
+        preemption, a sibling) are skipped, so each prompt token is answered once."""
+        group = self._child_to_group.get(child_id)
+        if group is None or group.prompt_logprobs is None:
+            return
+        have = group.prompt_logprobs
+        decode = self.tokenizer.decode
+        for j, token_id in enumerate(part.token_ids):
+            if part.first_index + j != len(have):
+                continue
+            entry = {
+                token_id: Logprob(
+                    part.logprobs[j], part.ranks[j], decode([token_id], skip_special_tokens=False)
+                )
+            }
+            for rank, (tid, lp) in enumerate(part.top[j], start=1):
+                if tid not in entry:
+                    entry[tid] = Logprob(lp, rank, decode([tid], skip_special_tokens=False))
+            have.append(entry)
+
     def _logprob_dict(self, s) -> dict[int, Logprob]:
         decode = self.tokenizer.decode
         out = {s.token_id: Logprob(s.logprob, s.rank, decode([s.token_id], skip_special_tokens=False))}
@@ -408,6 +435,7 @@ class LLMEngine:
             outputs=completions,
             finished=finished,
             metrics=group.metrics,
+            prompt_logprobs=group.prompt_logprobs,
         )
 
     # ---- what the engine holds --------------------------------------------------------------------

@@ -41,9 +41,11 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generates for every prompt; returns their outputs in input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Generates for every prompt; returns their outputs in input order. A prompt is text, token ids, or
+        vLLM's prompt dicts ({"prompt": text} or {"prompt_token_ids": ids})."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts = [_prompt(p) for p in prompts]
         params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(params, list):
             if len(params) != len(prompts):
@@ -95,3 +97,17 @@ class LLM:
         finally:
             bar.close()
         return [finished[i] for i in ids]
+
+
+def _prompt(prompt: Prompt | dict) -> Prompt:
+    """vLLM's TextPrompt / TokensPrompt dicts as the text or ids they hold; anything else as it is."""
+    if not isinstance(prompt, dict):
+        return prompt
+    extra = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    if extra:
+        raise InputError(f"prompt dict field {extra[0]!r} is not supported", param="prompts")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise InputError(
+            'a prompt dict holds exactly one of "prompt" and "prompt_token_ids"', param="prompts"
+        )
+    return prompt["prompt"] if "prompt" in prompt else list(prompt["prompt_token_ids"])

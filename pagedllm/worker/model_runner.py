@@ -15,6 +15,7 @@ import torch
 from pagedllm.attention.kv_quant import QuantizedKVCache, resolve_kv_cache_dtype
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import CacheConfig, ModelConfig
+from pagedllm.worker.prompt_logprobs import PromptLogprobs, PromptLogprobsSpan, compute_prompt_logprobs
 from pagedllm.worker.sampler import argmax_kernel, sample_requests
 
 
@@ -24,6 +25,12 @@ class SampledToken:
     logprob: float | None = None  # of the sampled token, when logprobs were asked for
     rank: int | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, SampledToken]  # request id -> its next token (the requests that sampled)
+    prompt_logprobs: dict[str, PromptLogprobs]  # request id -> this step's part of its prompt logprobs
 
 
 class ModelRunner:
@@ -68,9 +75,16 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []  # index into the flat batch of each sampling row's last token
         sampling_requests = []
+        prompt_spans: list[PromptLogprobsSpan] = []
         for req in order:
             n, start = num_new[req.request_id], req.num_computed_tokens
             end = start + n
+            num_top = req.sampling_params.prompt_logprobs
+            last = min(end, req.num_prompt_tokens - 1)  # rows before it predict prompt tokens
+            if num_top is not None and start < last:
+                prompt_spans.append(
+                    PromptLogprobsSpan(req.request_id, query_start_loc[-1], last - start, start + 1, num_top)
+                )
             input_ids.extend(req.token_ids_slice(start, end))
             positions.extend(range(start, end))
             table = req.block_ids
@@ -96,24 +110,28 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
-        return ids, pos, meta, sample_rows, sampling_requests
+        return ids, pos, meta, sample_rows, sampling_requests, prompt_spans
 
     @torch.inference_mode()
     def execute_model(
         self, scheduler_output, grammar_bitmask: tuple[list[str], torch.Tensor] | None = None
-    ) -> dict[str, SampledToken]:
+    ) -> ModelRunnerOutput:
         """grammar_bitmask: (request ids, their token bitmasks, one row each) for the requests whose next
         token a grammar constrains (structured outputs)."""
         self.copy_blocks(scheduler_output.blocks_to_copy)
         requests = scheduler_output.scheduled_requests
         if not requests:
-            return {}
-        ids, pos, meta, sample_rows, sampling_requests = self.prepare_inputs(
+            return ModelRunnerOutput({}, {})
+        ids, pos, meta, sample_rows, sampling_requests, prompt_spans = self.prepare_inputs(
             requests, scheduler_output.num_scheduled_tokens
         )
         hidden = self.model(ids, pos, self.kv_caches, meta)
+        prompt_logprobs = {}
+        if prompt_spans:
+            prompts = {r.request_id: r.prompt_token_ids for r in requests}
+            prompt_logprobs = compute_prompt_logprobs(self.model, hidden, prompt_spans, prompts)
         if not sampling_requests:
-            return {}
+            return ModelRunnerOutput({}, prompt_logprobs)
         if len(sample_rows) < hidden.shape[0]:  # a pure decode step samples every row, in order
             hidden = hidden[sample_rows]
         logits = self.model.compute_logits(hidden, upcast=False)
@@ -132,4 +150,4 @@ class ModelRunner:
                 rank=out.sampled_ranks[i] if out.sampled_ranks else None,
                 top_logprobs=out.logprobs[i],
             )
-        return result
+        return ModelRunnerOutput(result, prompt_logprobs)

@@ -98,6 +98,18 @@ class OpenAIServing:
                 param=max_tokens_param,
             )
 
+    @staticmethod
+    def prompt_logprobs_field(final: Any, asked: int | None) -> list[dict[str, Any] | None] | None:
+        """vLLM's choices[].prompt_logprobs: per prompt position None (the first) or {token id: {logprob,
+        rank, decoded_token}}; only when the request's prompt_logprobs field asked for them."""
+        if asked is None or final.prompt_logprobs is None:
+            return None
+        return [
+            None if d is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in d.items()}
+            for d in final.prompt_logprobs
+        ]  # fmt: skip
+
     def decode_token(self, token_id: int, logprob: Any = None) -> str:
         decoded = getattr(logprob, "decoded_token", None)
         if decoded is not None:

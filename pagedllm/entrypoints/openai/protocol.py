@@ -87,7 +87,6 @@ _REFUSED_COMMON: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),  # more candidates than returned: not yet (best_of == n is plain n)
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
-    "prompt_logprobs": (),
     "allowed_token_ids": (),
     "bad_words": ((), []),
     "spaces_between_special_tokens": (True,),
@@ -158,7 +157,9 @@ class _SamplingRequest(OpenAIBaseModel):
     best_of: int | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = (
+        None  # vLLM's: logprobs of the prompt's tokens, in choices[].prompt_logprobs
+    )
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     spaces_between_special_tokens: bool | None = None
@@ -274,6 +275,7 @@ class _SamplingRequest(OpenAIBaseModel):
         max_tokens: int,
         logprobs: int | None,
         structured_outputs: StructuredOutputsParams | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """Raises InputError naming the SamplingParams field that is out of range."""
         return SamplingParams(
@@ -296,6 +298,7 @@ class _SamplingRequest(OpenAIBaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=structured_outputs,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
         )
 
     @property
@@ -323,11 +326,23 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's prompt_logprobs entry: one per candidate token id of a prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobsField = list[dict[str, PromptLogprob] | None] | None
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobsField = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -464,6 +479,7 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     message: ChatMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobsField = None
 
 
 class ChatCompletionResponse(OpenAIBaseModel):

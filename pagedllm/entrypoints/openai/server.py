@@ -141,6 +141,29 @@ def build_app(
         ]
         return ModelList(data=cards)
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        chat.check_model(model_id)  # 404 for a name this server does not serve
+        return ModelCard(id=model_id, root=model_root or model_id, max_model_len=engine.max_model_len)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        """vLLM's endpoint: what a client needs to tokenize as the server does without a hub download
+        (lm-eval's `tokenizer_backend=remote`, chosen by its "auto", reads it, then uses /tokenize and
+        /detokenize)."""
+        tok = chat.tokenizer
+        hf = getattr(tok, "hf", tok)
+        return {
+            "tokenizer_class": type(hf).__name__,
+            "eos_token": getattr(hf, "eos_token", None),
+            "bos_token": getattr(hf, "bos_token", None),
+            "pad_token": getattr(hf, "pad_token", None),
+            "unk_token": getattr(hf, "unk_token", None),
+            "chat_template": getattr(tok, "chat_template", None),
+            "vocab_size": getattr(engine.model_config, "vocab_size", None),
+            "model_max_length": engine.max_model_len,
+        }
+
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw: Request) -> Response:
         result = await _unless_disconnected(raw, completions.create_completion(request))

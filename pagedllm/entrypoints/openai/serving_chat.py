@@ -255,7 +255,11 @@ class OpenAIServingChat(OpenAIServing):
             message, finish_reason = self._message(mode, out.text, out.finish_reason or "stop")
             choices.append(
                 ChatCompletionResponseChoice(
-                    index=out.index, message=message, logprobs=logprobs, finish_reason=finish_reason
+                    index=out.index,
+                    message=message,
+                    logprobs=logprobs,
+                    finish_reason=finish_reason,
+                    prompt_logprobs=self.prompt_logprobs_field(final, request.prompt_logprobs),
                 )
             )
         choices.sort(key=lambda c: c.index)

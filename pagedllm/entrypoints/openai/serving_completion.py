@@ -79,23 +79,30 @@ class OpenAIServingCompletion(OpenAIServing):
             raise InputError("suffix is not supported", param="suffix")
         constraint, field = request.structured_outputs_params()
         prompts = self._prompts(request)
+        # echo with max_tokens=0 scores the prompt without generating (the older scoring idiom): the
+        # engine samples one token, which the response leaves out
+        score_only = request.echo and request.max_tokens == 0
         # One SamplingParams for the batch: a default max_tokens follows the longest prompt.
         longest = max(len(p.token_ids) for p in prompts)
-        max_tokens = self.resolve_max_tokens(longest, request.max_tokens, "prompt")
-        params = request.make_sampling_params(max_tokens, request.logprobs, constraint)
+        max_tokens = self.resolve_max_tokens(longest, 1 if score_only else request.max_tokens, "prompt")
+        # echo + logprobs: the prompt's tokens come back with their logprobs too (prompt_logprobs)
+        prompt_logprobs = request.prompt_logprobs
+        if request.echo and request.logprobs is not None:
+            prompt_logprobs = max(request.logprobs, prompt_logprobs or 0)
+        params = request.make_sampling_params(max_tokens, request.logprobs, constraint, prompt_logprobs)
         await self.validate_constraint(constraint, field)
         self.check_context(longest, params, "max_tokens")
 
         request_id = random_id("cmpl")
         streams = await self.add_requests(request_id, [p.token_ids for p in prompts], params)
         if request.stream:
-            return self._stream(request, request_id, prompts, streams)
+            return self._stream(request, request_id, prompts, streams, score_only)
         try:
             finals = await last_outputs(streams)
         finally:
             for stream in streams:
                 stream.close()
-        return self._response(request, request_id, prompts, finals)
+        return self._response(request, request_id, prompts, finals, score_only)
 
     # ------------------------------------------------------------------ logprobs
 
@@ -122,37 +129,49 @@ class OpenAIServingCompletion(OpenAIServing):
             offset += len(token)
         return offset
 
-    def _append_prompt_logprobs(self, lp: CompletionLogProbs, prompt: _Prompt) -> int:
-        """echo + logprobs: the prompt tokens are listed without logprobs (we do not compute them)."""
-        offset = 0
-        for token_id in prompt.token_ids:
-            token = self.decode_token(token_id)
-            lp.tokens.append(token)
-            lp.token_logprobs.append(None)
-            lp.top_logprobs.append(None)
-            lp.text_offset.append(offset)
-            offset += len(token)
-        return offset
+    def _append_prompt_logprobs(
+        self, lp: CompletionLogProbs, prompt: _Prompt, prompt_logprobs: list | None, num_top: int
+    ) -> int:
+        """echo + logprobs: the prompt's tokens, each with its logprob and top alternatives; the first has
+        none (null, as OpenAI's API had it: nothing predicts it). Returns the text offset after them."""
+        lp.tokens.append(self.decode_token(prompt.token_ids[0]))
+        lp.token_logprobs.append(None)
+        lp.top_logprobs.append(None)
+        lp.text_offset.append(0)
+        offset = len(lp.tokens[-1])
+        return self._append_logprobs(
+            lp, prompt.token_ids[1:], (prompt_logprobs or [None])[1:], num_top, offset
+        )
 
     # ------------------------------------------------------------------ non-streaming
 
     def _response(
-        self, request: CompletionRequest, request_id: str, prompts: list[_Prompt], finals: list[Any]
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[_Prompt],
+        finals: list[Any],
+        score_only: bool = False,
     ) -> CompletionResponse:
         n = request.n
         choices = []
         completion_tokens = 0
         for p_idx, (prompt, final) in enumerate(zip(prompts, finals)):
             for out in final.outputs:
-                completion_tokens += len(out.token_ids)
-                text = out.text
+                token_ids, text, out_logprobs = out.token_ids, out.text, out.logprobs or []
+                finish_reason = out.finish_reason or "stop"
+                if score_only:
+                    token_ids, text, out_logprobs, finish_reason = [], "", [], "length"
+                completion_tokens += len(token_ids)
                 logprobs = None
                 if request.logprobs is not None:
                     logprobs = CompletionLogProbs()
-                    offset = self._append_prompt_logprobs(logprobs, prompt) if request.echo else 0
-                    self._append_logprobs(
-                        logprobs, out.token_ids, out.logprobs or [], request.logprobs, offset
-                    )
+                    offset = 0
+                    if request.echo:
+                        offset = self._append_prompt_logprobs(
+                            logprobs, prompt, final.prompt_logprobs, request.logprobs
+                        )
+                    self._append_logprobs(logprobs, token_ids, out_logprobs, request.logprobs, offset)
                 if request.echo:
                     text = self._echo_text(prompt, request) + text
                 choices.append(
@@ -160,7 +179,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         index=p_idx * n + out.index,
                         text=text,
                         logprobs=logprobs,
-                        finish_reason=out.finish_reason or "stop",
+                        finish_reason=finish_reason,
+                        prompt_logprobs=self.prompt_logprobs_field(final, request.prompt_logprobs),
                     )
                 )
         choices.sort(key=lambda c: c.index)
@@ -175,7 +195,12 @@ class OpenAIServingCompletion(OpenAIServing):
     # ------------------------------------------------------------------ streaming
 
     async def _stream(
-        self, request: CompletionRequest, request_id: str, prompts: list[_Prompt], streams: list
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        prompts: list[_Prompt],
+        streams: list,
+        score_only: bool = False,
     ) -> AsyncIterator[str]:
         n = request.n
         states: dict[int, _ChoiceState] = {}
@@ -188,14 +213,16 @@ class OpenAIServingCompletion(OpenAIServing):
                     state = states.setdefault(index, _ChoiceState())
                     if state.finished:
                         continue
-                    token_ids = list(out.token_ids)
+                    token_ids = [] if score_only else list(out.token_ids)
                     new_ids = token_ids[state.num_tokens :]
-                    delta = out.text[state.text_len :]
+                    delta = "" if score_only else out.text[state.text_len :]
                     lp = None
                     if request.logprobs is not None:
                         lp = CompletionLogProbs()
                         if request.echo and not state.echoed:
-                            state.text_offset = self._append_prompt_logprobs(lp, prompts[p_idx])
+                            state.text_offset = self._append_prompt_logprobs(
+                                lp, prompts[p_idx], output.prompt_logprobs, request.logprobs
+                            )
                         new_lps = (out.logprobs or [])[state.num_tokens : len(token_ids)]
                         state.text_offset = self._append_logprobs(
                             lp, new_ids, new_lps, request.logprobs, state.text_offset
@@ -204,6 +231,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         delta = self._echo_text(prompts[p_idx], request) + delta
                         state.echoed = True
                     finish = out.finish_reason or ("stop" if output.finished else None)
+                    if score_only and finish is not None:
+                        finish = "length"
                     completion_tokens += len(new_ids)
                     state.num_tokens = len(token_ids)
                     state.text_len = len(out.text)
