@@ -4,7 +4,6 @@ same weights: the default model dequantized into a Hugging Face folder that both
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,68 +16,13 @@ from pagedllm.model.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
-MC = [
-    ("The capital of France is", [" Paris", " Berlin", " Madrid", " Rome"], 0),
-    ("The capital of Germany is", [" Paris", " Berlin", " Madrid", " Rome"], 1),
-    ("Water is made of hydrogen and", [" oxygen", " gold", " iron", " salt"], 0),
-    ("The opposite of hot is", [" cold", " big", " loud", " green"], 0),
-    ("A cat says", [" woof", " meow", " moo", " quack"], 1),
-    ("The sun rises in the", [" west", " north", " east", " south"], 2),
-    ("Two plus two equals", [" four", " five", " six", " seven"], 0),
-    ("Ice is frozen", [" water", " fire", " air", " sand"], 0),
-]
-GEN = [
-    ("What is the capital of France?", "Paris"),
-    ("What is 2 + 2?", "4"),
-    ("What color is the sky on a clear day?", "Blue"),
-    ("What is the largest planet in our solar system?", "Jupiter"),
-]
+TASKS = Path(__file__).resolve().parents[1] / "docs" / "lm-eval-tasks"  # data and YAML, as documented
 
 
 def write_tasks(root: Path) -> None:
-    (root / "mc.jsonl").write_text(
-        "".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in MC)
-    )
-    (root / "gen.jsonl").write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in GEN))
-    (root / "tiny_mc.yaml").write_text(
-        f"""task: tiny_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {root / "mc.jsonl"}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-"""
-    )
-    (root / "tiny_gen.yaml").write_text(
-        f"""task: tiny_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {root / "gen.jsonl"}
-test_split: test
-output_type: generate_until
-doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
-doc_to_target: "{{{{answer}}}}"
-generation_kwargs:
-  until: ["\\n"]
-  max_gen_toks: 16
-  do_sample: false
-  temperature: 0
-metric_list:
-  - metric: exact_match
-    aggregation: mean
-    higher_is_better: true
-    ignore_case: true
-    ignore_punctuation: true
-    regexes_to_ignore: [" "]
-"""
-    )
+    """docs/lm-eval-tasks' YAML with its data files' paths made absolute (the docs' run from the repo root)."""
+    for yaml in TASKS.glob("*.yaml"):
+        (root / yaml.name).write_text(yaml.read_text().replace("docs/lm-eval-tasks/", f"{TASKS}/"))
 
 
 def save_hf_folder(folder: Path) -> None:

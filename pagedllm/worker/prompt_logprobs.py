@@ -49,14 +49,17 @@ def compute_prompt_logprobs(
         top: list[list[tuple[int, float]]] = []
         for s in range(0, span.count, ROWS_PER_SLICE):
             rows = hidden[span.row + s : span.row + min(span.count, s + ROWS_PER_SLICE)]
-            lp = torch.log_softmax(model.compute_logits(rows, upcast=False).float(), dim=-1)
+            logits = model.compute_logits(rows, upcast=False).float()
+            # log p = logit - logsumexp: no [rows, vocab] log-softmax tensor written, ranks and top-k
+            # read the logits themselves (the same order)
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
             t = targets[s : s + rows.shape[0], None]
-            chosen = lp.gather(1, t)
-            logprobs += chosen[:, 0].tolist()
-            ranks += ((lp > chosen).sum(dim=-1) + 1).tolist()
+            chosen = logits.gather(1, t)
+            logprobs += (chosen - lse)[:, 0].tolist()
+            ranks += ((logits > chosen).sum(dim=-1) + 1).tolist()
             if span.num_top:
-                values, ids = lp.topk(span.num_top, dim=-1)
-                top += [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+                values, ids = logits.topk(span.num_top, dim=-1)
+                top += [list(zip(i, v)) for i, v in zip(ids.tolist(), (values - lse).tolist())]
             else:
                 top += [[] for _ in range(rows.shape[0])]
         out[span.request_id] = PromptLogprobs(span.first_index, targets.tolist(), logprobs, ranks, top)
