@@ -41,3 +41,14 @@ def paged_prefill_logits(
         hidden = model(torch.tensor(token_ids[start:end]), pos, caches, meta)
         logits.append(model.compute_logits(hidden))
     return torch.cat(logits)
+
+
+def exact_llm(**kwargs):
+    """The default model as an LLM in fp32 with the GGUF dequantized, so that batch composition, chunking,
+    a cached prefix or a recompute after preemption (attention summed in another order, ~1e-7) cannot change
+    a greedy token. The GGUF-native default rounds activations to int8 per 32 inputs, which turns such
+    differences into whole rounding steps now and then, so there the same holds only away from near ties
+    (as in llama.cpp)."""
+    from pagedllm import LLM
+
+    return LLM(model="default", dtype="fp32", quantization="none", show_progress=False, **kwargs)

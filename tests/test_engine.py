@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from model_helpers import exact_llm
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import InputError
@@ -33,18 +34,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm():
-    # fp32 with the GGUF dequantized, so that batch composition, a cached prefix or a recompute after
-    # preemption (attention summed in another order, ~1e-7) cannot change a greedy token. The GGUF-native
-    # default rounds activations to int8 per 32 inputs, which turns such differences into whole rounding
-    # steps now and then, so there the same holds only away from near ties (as in llama.cpp).
-    return LLM(
-        model="default",
-        dtype="fp32",
-        quantization="none",
-        num_kv_blocks=1024,
-        max_num_seqs=32,
-        show_progress=False,
-    )
+    return exact_llm(num_kv_blocks=1024, max_num_seqs=32)
 
 
 def engine_free(llm) -> tuple[int, int]:
@@ -67,14 +57,7 @@ def test_preemption_keeps_outputs_identical(llm):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:8], params, use_tqdm=False)]
     # 8 requests of up to ~60 tokens need ~30 blocks at once; 12 blocks force preemptions
-    tight = LLM(
-        model="default",
-        dtype="fp32",
-        quantization="none",
-        num_kv_blocks=12,
-        max_num_batched_tokens=64,
-        show_progress=False,
-    )
+    tight = exact_llm(num_kv_blocks=12, max_num_batched_tokens=64)
     got = [o.outputs[0].token_ids for o in tight.generate(PROMPTS[:8], params, use_tqdm=False)]
     stats = tight.llm_engine.get_stats()
     assert stats.num_preemptions > 0

@@ -45,14 +45,13 @@ def evaluate(model: str, model_args: str, include: Path) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    out = simple_evaluate(
+    return simple_evaluate(
         model=model,
         model_args=model_args,
         tasks=["tiny_mc", "tiny_gen"],
         task_manager=TaskManager(include_path=str(include)),
         log_samples=True,
     )
-    return out
 
 
 def test_lm_eval_local_completions_equals_hf_backend(tmp_path, monkeypatch):

@@ -9,9 +9,11 @@ import openai
 import pytest
 import torch
 import transformers
+from model_helpers import exact_llm
 from test_server import client, server  # noqa: F401 - fixtures: the real server on loopback, its client
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.errors import InputError
 from pagedllm.model.loader import resolve_model_path
 
 LENGTHS = [1, 15, 16, 17, 300]
@@ -60,7 +62,7 @@ def _tied(row: torch.Tensor) -> bool:
 @pytest.mark.parametrize("chunk", [None, 16], ids=["whole", "chunked"])
 def test_prompt_logprobs_equal_transformers(hf, chunk):
     kw = {} if chunk is None else {"max_num_batched_tokens": chunk}
-    llm = LLM(model="default", dtype="fp32", quantization="none", num_kv_blocks=256, show_progress=False, **kw)
+    llm = exact_llm(num_kv_blocks=256, **kw)
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=TOP)
     for length in LENGTHS:
         ids = prompt(length, length)
@@ -81,7 +83,7 @@ def test_without_prompt_logprobs_nothing_is_computed():
     llm = LLM(model="default", show_progress=False)
     (out,) = llm.generate(["Hello there"], SamplingParams(max_tokens=2), use_tqdm=False)
     assert out.prompt_logprobs is None
-    with pytest.raises(Exception, match="prompt dict"):
+    with pytest.raises(InputError, match="prompt dict"):
         llm.generate([{"prompt": "a", "multi_modal_data": {}}], SamplingParams(max_tokens=1), use_tqdm=False)
 
 

@@ -98,12 +98,17 @@ def running_server(log: Path, *args: str, model: str = "default") -> Iterator[Se
             raise AssertionError(f"{e}\n--- server log ---\n{log.read_text()[-5000:]}") from None
         yield ServerInfo(base_url=base_url, model=model, long_max_tokens=1000)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM (the server drains), then SIGKILL if it has not exited within 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")

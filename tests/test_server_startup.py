@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi import FastAPI
+from test_server import stop_server
 
 from pagedllm import SamplingParams
 from pagedllm.entrypoints.openai.server import StartupGate
@@ -145,12 +146,7 @@ def test_real_server_health_goes_503_then_200_and_stays(tmp_path):
         assert all(code == 200 for code in seen[first_ok:]), f"503 after a 200: {seen}"
         assert last is not None and last.status_code == 200 and last.json() == {"status": "ok"}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_server(proc)
 
 
 # ---- LLMEngine.warm_up -------------------------------------------------------------------------------

@@ -12,8 +12,9 @@ from concurrent.futures import Future
 import jsonschema
 import pytest
 import torch
+from model_helpers import exact_llm
 
-from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+from pagedllm import SamplingParams, StructuredOutputsParams
 from pagedllm.errors import InputError
 from pagedllm.sampling_params import closed_schema
 from pagedllm.worker.sampler import SamplingBatch, apply_token_bitmask, sample
@@ -38,8 +39,7 @@ PROMPT = chat("Give me a JSON object for a person named Bob who is 30.")
 
 @pytest.fixture(scope="module")
 def llm():
-    # the dequantized GGUF in fp32, so that batching, chunking or a recompute cannot move a greedy token
-    return LLM(model="default", dtype="fp32", quantization="none", num_kv_blocks=256, show_progress=False)
+    return exact_llm(num_kv_blocks=256)
 
 
 def gen(llm, prompt, **kw):
@@ -176,7 +176,7 @@ def test_same_output_with_prefix_cache_chunked_prefill_and_preemption():
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=so)
 
     def run(**kw):
-        llm = LLM(model="default", dtype="fp32", quantization="none", show_progress=False, **kw)
+        llm = exact_llm(**kw)
         outs = llm.generate(prompts, params, use_tqdm=False)
         outs += llm.generate(prompts[:1], params, use_tqdm=False)  # prefix cache hit
         engine = llm.llm_engine

@@ -52,7 +52,7 @@ def compile_times(engine, params) -> dict[str, float]:
     """Seconds to index the tokenizer (once per engine) and to compile the schema (once per schema text)."""
     manager = engine.structured_output
     start = time.perf_counter()
-    manager._ll_tokenizer()
+    manager.ll_tokenizer()
     tokenizer_s = time.perf_counter() - start
     start = time.perf_counter()
     manager.request(params).future.result()

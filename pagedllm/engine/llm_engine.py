@@ -214,8 +214,6 @@ class LLMEngine:
                 )
         self.scheduler.check_can_ever_fit(len(prompt_ids), max_tokens)
         structured = params.structured_outputs
-        if structured is not None:
-            self.structured_output.validate(structured)  # a malformed constraint fails here, before any state
 
         now = arrival_time if arrival_time is not None else time.time()
         group = _Group(
@@ -247,6 +245,7 @@ class LLMEngine:
                 generator=gen,
             )
             if structured is not None:
+                # validates: a malformed constraint raises here, for child 0, before any state is kept
                 req.structured_output = self.structured_output.request(structured)
                 self._pending_grammars[child_id] = req
             group.children.append(req)

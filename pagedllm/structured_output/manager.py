@@ -115,12 +115,13 @@ class StructuredOutputManager:
         return StructuredOutputRequest(future)
 
     def _compile(self, grammar: str) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self.ll_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise InputError(f"structured_outputs cannot be compiled: {matcher.get_error()}")
         return matcher
 
-    def _ll_tokenizer(self) -> llguidance.LLTokenizer:
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's index of the vocabulary, built once (~0.5 s) on the first grammar."""
         if self._tokenizer is None:
             try:
                 self._tokenizer = llguidance.hf.from_tokenizer(

@@ -104,11 +104,13 @@ class OpenAIServing:
         rank, decoded_token}}; only when the request's prompt_logprobs field asked for them."""
         if asked is None or final.prompt_logprobs is None:
             return None
+
+        def entry(lp: Any) -> dict[str, Any]:
+            return {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+
         return [
-            None if d is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-                                    for t, lp in d.items()}
-            for d in final.prompt_logprobs
-        ]  # fmt: skip
+            None if d is None else {str(t): entry(lp) for t, lp in d.items()} for d in final.prompt_logprobs
+        ]
 
     def decode_token(self, token_id: int, logprob: Any = None) -> str:
         decoded = getattr(logprob, "decoded_token", None)
