@@ -193,3 +193,21 @@ def test_model_default_human_output(capsys):
     assert rc == 0, err
     assert "30 layers, kv_width 192 = 3 KV heads x 64" in out
     assert "23,040 bytes (22.5 KiB)" in out
+
+
+def test_none_fit_says_what_one_request_needs(capsys):
+    # SmolLM2-135M's shape: 23,040 bytes a token, 368,640 a block; 8192 tokens = 180 MiB, against 10 MiB
+    shape = ["--num-layers", "30", "--num-kv-heads", "3", "--head-dim", "64", "--seq-len", "8192"]
+    rc, out, err = cli(capsys, "plan", *shape, "--memory", "10MiB")
+    assert rc == 0, err
+    assert "max concurrent requests   0 at" in out
+    none_fit = out.splitlines()[-1]
+    assert "none fit: one 8192-token request needs 188,743,680 bytes (180 MiB)" in none_fit
+    assert "178,257,920 bytes (170 MiB) more than the budget" in none_fit
+    assert "up to 448 tokens (--seq-len 448)" in none_fit  # 28 whole blocks of 16 in 10 MiB
+    p = plan_json(capsys, *shape, "--memory", "10MiB")
+    assert p["max_concurrent_requests"] == 0 and p["kv_bytes_missing"] == 178_257_920
+    rc, out, _ = cli(capsys, "plan", *shape, "--memory", "100KiB")
+    assert "does not hold one block of 16 tokens" in out
+    rc, out, _ = cli(capsys, "plan", *shape, "--memory", "1GiB")
+    assert "none fit" not in out and "kv_bytes_missing" not in plan_json(capsys, *shape, "--memory", "1GiB")

@@ -101,3 +101,16 @@ def test_out_folder_must_be_empty(capsys, tmp_path, tiny):
     (tmp_path / "q" / "x").write_text("")
     rc, _, err = cli(capsys, "quantize", "--model", str(tiny), "--out", str(tmp_path / "q"), "--quiet")
     assert rc == 2 and "not empty" in err
+
+
+def test_calibration_says_how_much_work_it_is_before_it_starts(capsys, tmp_path, tiny):
+    calib = tmp_path / "calib.txt"
+    calib.write_text("The quick brown fox jumps over the lazy dog. " * 100)
+    rc, out, err = cli(capsys, "quantize", "--model", str(tiny), "--method", "gptq", "--calib", str(calib),
+                       "--num-samples", "2", "--seq-len", "16", "--out", str(tmp_path / "q"))  # fmt: skip
+    assert rc == 0, err
+    assert (
+        "gptq: calibrating 28 linears in 4 decoder layers, one layer at a time, on 2 samples x 16 tokens"
+        in err
+    )
+    assert "decoder layer" in err  # the bar counts what it says

@@ -7,6 +7,10 @@ It sits in `entrypoints/`, not `entrypoints/cli/`, because both the CLI and the 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
+from functools import cached_property
+
+from pagedllm.errors import InputError
 
 
 def print_help(parser: argparse.ArgumentParser) -> int:
@@ -16,7 +20,7 @@ def print_help(parser: argparse.ArgumentParser) -> int:
 
 
 def add_model_args(g) -> None:
-    """--model and --dtype: what every command that loads a model takes (engine commands, eval)."""
+    """--model, --dtype and --threads: what every command that loads a model takes (engine commands, eval)."""
     g.add_argument(
         "--model",
         default="default",
@@ -28,6 +32,124 @@ def add_model_args(g) -> None:
         choices=["auto", "bf16", "fp16", "fp32"],
         help="compute dtype; auto = bf16 where the CPU has native bf16 (AVX-512 BF16, AMX), else fp32 "
         "(default: auto; `pagedllm env` shows what this machine gets)",
+    )
+    add_threads_arg(g)
+
+
+def add_threads_arg(g) -> None:
+    """--threads; main() applies it (apply_threads) before the command runs, so before any model loads."""
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CPU threads for torch and the kernels (default: torch's own choice, one per core)",
+    )
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """torch's thread counts from --threads (nothing without it). It must run before the model loads: the
+    inter-op pool can be sized only before its first use; after that torch raises and keeps its size."""
+    n = getattr(args, "threads", None)
+    if n is None:
+        return
+    if n < 1:
+        raise InputError(f"threads must be at least 1, got {n}", param="threads")
+    import torch
+
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(n)
+    except RuntimeError:  # already started in this process (an engine made earlier): intra-op count only
+        pass
+
+
+class QuantizationNames(Sequence[str]):
+    """A list of quantization names from model/build.py (ENGINE_QUANTIZATION_CHOICES, what the engine takes,
+    or QUANTIZATION_CHOICES, what build_model takes), read on first use: argparse reads it only to check a
+    value or print --help, and importing build.py imports torch (~2 s), which building the parser of every
+    command (`pagedllm plan`, `pagedllm quant explain`) must not."""
+
+    def __init__(self, constant: str) -> None:
+        self.constant = constant
+
+    @cached_property
+    def names(self) -> tuple[str, ...]:
+        from pagedllm.model import build
+
+        return tuple(getattr(build, self.constant))
+
+    def __getitem__(self, i):
+        return self.names[i]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def add_quantization_arg(g, engine: bool = True) -> None:
+    """--quantization, checked by argparse against the names the engine (or, engine=False, build_model)
+    accepts, and listing them in its help; `eval` takes no auto / none."""
+    choices = QuantizationNames("ENGINE_QUANTIZATION_CHOICES" if engine else "QUANTIZATION_CHOICES")
+    text = "weights, one of %(choices)s: "
+    if engine:
+        text += "auto = a GGUF file served from its own quantized blocks where a kernel runs here, "
+        text += "else as stored; none = dequantized to --dtype; "
+    text += "gguf = a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks; the int ones = RTN at load (int8 per output "
+    text += "channel, int4 = int4-g32: groups of 32 inputs) "
+    text += "(default: auto)" if engine else "(default: the weights as stored)"
+    g.add_argument(
+        "--quantization", default="auto" if engine else None, choices=choices, metavar="NAME", help=text
+    )
+
+
+def add_sampling_args(
+    parser: argparse.ArgumentParser,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+) -> None:
+    """Sampling flags of `generate` and `chat` (each passes its own defaults); sampling_kwargs() reads them
+    back. SamplingParams checks the values (a bad one is an InputError naming the field: exit 2)."""
+    g = parser.add_argument_group("sampling options")
+    g.add_argument(
+        "--temperature", type=float, default=temperature, help=f"0 = greedy (default: {temperature:g})"
+    )
+    g.add_argument(
+        "--top-p", type=float, default=top_p, help=f"nucleus sampling threshold; 1 = off (default: {top_p:g})"
+    )
+    g.add_argument(
+        "--top-k",
+        type=int,
+        default=top_k,
+        help=f"sample among the k most likely tokens; 0 = off (default: {top_k})",
+    )
+    g.add_argument(
+        "--min-p",
+        type=float,
+        default=min_p,
+        help=f"drop tokens less likely than min-p times the most likely one; 0 = off (default: {min_p:g})",
+    )
+    g.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=repetition_penalty,
+        help="divide the logits of tokens already in the prompt or the output by this; 1 = off "
+        f"(default: {repetition_penalty:g})",
+    )
+    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling (default: none)")
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    """SamplingParams keywords of the add_sampling_args flags."""
+    return dict(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
     )
 
 
@@ -55,15 +177,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="KV cache element type: auto, bf16, fp16, fp32, or int8 / fp8 (quantized, per-token scales)",
     )
-    g.add_argument(
-        "--quantization",
-        default="auto",
-        help="weights: auto (a GGUF file served from its own quantized blocks where a kernel runs here), "
-        "none (dequantized to --dtype), gguf, or RTN at load: int8, int4, int4-g64, int4-g128 (default: auto)",
-    )
+    add_quantization_arg(g)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    """LLMEngine keywords. --threads is not one of them: it is process-wide (apply_threads)."""
     return dict(
         model=args.model,
         dtype=args.dtype,

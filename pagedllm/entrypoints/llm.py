@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import replace
 
 from tqdm.auto import tqdm
@@ -70,14 +72,66 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to one conversation or a list of them, then generates."""
+        """Applies the model's chat template to one conversation or a list of them, then generates. Each
+        output's prompt is the rendered template text (as vLLM's)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        rendered = [self._chat_prompt(c) for c in conversations]
+        outputs = self.generate([ids for _, ids in rendered], sampling_params, use_tqdm)
+        for out, (text, _) in zip(outputs, rendered):
+            out.prompt = text  # the engine got token ids (the template's own special tokens), so no text
+        return outputs
+
+    def stream(
+        self, prompt: Prompt | dict, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Generates for one prompt and yields as it goes: each RequestOutput holds only what is new since
+        the previous one (vLLM's DELTA outputs: each CompletionOutput's text and token_ids are the new part;
+        the last one has finished=True). The text comes from the engine's incremental detokenizer, which
+        holds back an incomplete UTF-8 character or a possible stop string until it is settled, so a piece
+        never splits a character. Closing the generator early (break, an exception, Ctrl-C) aborts the
+        request; use contextlib.closing() to close it at once rather than when it is garbage-collected."""
+        prompt = _prompt(prompt)
+        # CUMULATIVE, cut into deltas here: the engine's outputs are cumulative, and its text only grows.
+        params = replace(sampling_params or SamplingParams(), output_kind=RequestOutputKind.CUMULATIVE)
+        rid = f"stream-{next(self._ids)}"
+        engine = self.llm_engine
+        engine.add_request(rid, prompt, params)
+        seen: dict[int, tuple[int, int, bool]] = {}  # sample index -> (chars, tokens, finished) yielded
+        finished = False
+        try:
+            while not finished:
+                for out in engine.step():
+                    if out.request_id != rid:
+                        continue
+                    finished = out.finished
+                    deltas = []
+                    for c in out.outputs:
+                        chars, tokens, done = seen.get(c.index, (0, 0, False))
+                        seen[c.index] = (len(c.text), len(c.token_ids), c.finish_reason is not None)
+                        if c.text[chars:] or c.token_ids[tokens:] or (c.finish_reason and not done):
+                            deltas.append(replace(c, text=c.text[chars:], token_ids=c.token_ids[tokens:]))
+                    if deltas or finished:
+                        yield replace(out, outputs=deltas)
+        finally:
+            if not finished:
+                engine.abort_request(rid)
+
+    def stream_chat(
+        self, messages: list[Message], sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """stream() for one conversation, through the chat template; prompt is the rendered text."""
+        text, ids = self._chat_prompt(messages)
+        with closing(self.stream(ids, sampling_params)) as outputs:  # closing this closes (aborts) that
+            for out in outputs:
+                out.prompt = text
+                yield out
+
+    def _chat_prompt(self, conversation: list[Message]) -> tuple[str, list[int]]:
+        """The conversation through the chat template: its text and token ids. The text already holds the
+        template's special tokens, so encoding adds none."""
         tok = self.llm_engine.tokenizer
-        prompts = [
-            tok.encode(tok.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False)
-            for c in conversations
-        ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        text = tok.apply_chat_template(conversation, add_generation_prompt=True)
+        return text, tok.encode(text, add_special_tokens=False)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -167,7 +167,7 @@ def quantize_layers(
     rotary = float_rotary(model)
     out: dict[str, QuantizedTensor] = {}
     layers = model.model.layers
-    for i, layer in enumerate(tqdm(layers, desc=desc, disable=not show_progress)):
+    for i, layer in enumerate(tqdm(layers, desc=desc, unit="decoder layer", disable=not show_progress)):
         work = copy.deepcopy(layer).float()
         qts = quantize_layer(work, xs, rotary)
         with torch.no_grad():

@@ -110,7 +110,7 @@ def quantize_model(
     names = list(layers) if layers is not None else linear_layer_names(model, skip)
     for name in names:
         check_layer_shape(name, _linear(model, name).in_features, bits, group_size)
-    for name in tqdm(names, desc=f"quantizing ({bits}-bit)", unit="layer", disable=not show_progress):
+    for name in tqdm(names, desc=f"quantizing ({bits}-bit)", unit="linear", disable=not show_progress):
         layer = model.get_submodule(name)
         src = source_weights or {}
         weight = src.get(f"{name}.weight", layer.weight)

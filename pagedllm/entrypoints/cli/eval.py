@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from pagedllm.entrypoints.engine_args import add_model_args, print_help
+from pagedllm.entrypoints.engine_args import add_model_args, add_quantization_arg, print_help
 
 _EPILOG = """\
 examples:
@@ -31,7 +31,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_args(p)
-    p.add_argument("--quantization", default=None, help="quantize the weights at load, as for `generate`")
+    add_quantization_arg(p, engine=False)  # the names build_model takes: no auto / none here
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
@@ -47,6 +47,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.set_defaults(run=run_perplexity)
     parser.set_defaults(run=lambda args: print_help(parser))
     return parser
+
+
+def _work_note(num_ids: int, ctx: int, max_windows: int | None) -> str:
+    """One line before a run that can take long: the tokens to score, and how to make it shorter."""
+    from pagedllm.platform import capabilities
+
+    windows = num_ids // ctx if max_windows is None else min(num_ids // ctx, max_windows)
+    note = f"scoring {windows} windows of {ctx} tokens ({windows * ctx:,} of the text's {num_ids:,})"
+    caps = capabilities()
+    if not caps.at_least("avx512"):
+        note += (
+            f"; this may take long on this CPU ({caps.tier} tier, no AVX-512/AMX): "
+            "--max-windows N scores only the first N windows"
+        )
+    return note
 
 
 def run_perplexity(args: argparse.Namespace) -> int:
@@ -68,6 +83,8 @@ def run_perplexity(args: argparse.Namespace) -> int:
     quiet = args.json
     model, _ = build_model(path, dtype, args.quantization, show_progress=not quiet)
     ids = read_text_ids(args.text, Tokenizer.from_checkpoint(path))
+    if not quiet:
+        sys.stderr.write(_work_note(len(ids), args.ctx, args.max_windows) + "\n")
     res = perplexity(
         model,
         ids,

@@ -1,18 +1,25 @@
-"""`pagedllm generate "PROMPT"`: one answer from the command line."""
+"""`pagedllm generate "PROMPT"`: one answer from the command line, printed as it is generated."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import closing
 
-from pagedllm.entrypoints.engine_args import add_engine_args, engine_kwargs
+from pagedllm.entrypoints.engine_args import (
+    add_engine_args,
+    add_sampling_args,
+    engine_kwargs,
+    sampling_kwargs,
+)
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "generate",
         help="generate text for a prompt",
-        description="Generate a continuation of PROMPT (or, with --chat, an assistant answer to it).",
+        description="Generate a continuation of PROMPT (or, with --chat, an assistant answer to it), "
+        "printed token by token as it is generated.",
         epilog='examples:\n  pagedllm generate "The capital of France is" --max-tokens 16 --temperature 0\n'
         '  pagedllm generate "Write a haiku about the sea" --chat',
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -23,10 +30,7 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default: 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off")
-    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    add_sampling_args(p)  # greedy by default: a continuation you can reproduce
     add_engine_args(p)
     p.set_defaults(run=run)
 
@@ -36,18 +40,18 @@ def run(args: argparse.Namespace) -> int:
     from pagedllm.sampling_params import SamplingParams
 
     params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-    )
+        max_tokens=args.max_tokens, **sampling_kwargs(args)
+    )  # bad values: before the load
     llm = LLM(**engine_kwargs(args), show_progress=False)
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.prompt})
-        out = llm.chat(messages, params, use_tqdm=False)
+        outputs = llm.stream_chat(messages, params)
     else:
-        out = llm.generate(args.prompt, params, use_tqdm=False)
-    sys.stdout.write(out[0].outputs[0].text + "\n")
+        outputs = llm.stream(args.prompt, params)
+    with closing(outputs):  # Ctrl-C (main() exits 130) aborts the request here, not at garbage collection
+        for out in outputs:
+            sys.stdout.write(out.outputs[0].text if out.outputs else "")
+            sys.stdout.flush()
+    sys.stdout.write("\n")
     return 0

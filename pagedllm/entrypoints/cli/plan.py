@@ -12,6 +12,7 @@ from pathlib import Path
 from pagedllm import planner
 from pagedllm.config import ModelConfig
 from pagedllm.errors import InputError
+from pagedllm.units import format_size
 
 _EPILOG = """\
 examples:
@@ -152,8 +153,30 @@ def plan_from_args(args: argparse.Namespace) -> dict:
     )
 
 
+def _bytes(n: int) -> str:
+    return f"{n:,} bytes ({format_size(n)})"
+
+
+def _none_fit(plan: dict) -> str | None:
+    """When not one request fits the KV budget: what one needs, what is missing, and the longest request
+    that does fit (whole blocks); None when one fits or no budget was given. Adds the bytes to `plan`."""
+    if plan.get("max_concurrent_requests") != 0:
+        return None
+    need, budget = plan["kv_bytes_reserved_per_request"], plan["kv_budget_bytes"]
+    plan["kv_bytes_missing"] = missing = need - budget
+    line = (
+        f"  none fit: one {plan['seq_len']}-token request needs {_bytes(need)} of KV cache, "
+        f"{_bytes(missing)} more than the budget"
+    )
+    longest = budget // plan["block_bytes"] * plan["block_size"]
+    if longest:
+        return line + f"; the budget holds one request of up to {longest} tokens (--seq-len {longest})"
+    return line + f"; it does not hold one block of {plan['block_size']} tokens"
+
+
 def run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
+    none_fit = _none_fit(plan)
     if args.plot:
         from pagedllm.planner.plot import plot_plan  # matplotlib only when asked for
 
@@ -163,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(plan))
     else:
         print(planner.format_plan(plan))
+        if none_fit:
+            print(none_fit)
         if args.plot:
             print(f"plot written to {args.plot}")
     return 0

@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from pagedllm.entrypoints.engine_args import add_threads_arg
+
 _EPILOG = """\
 examples:
   pagedllm quantize --model default --method rtn --bits 4 --group-size 32 --out smollm2-int4
@@ -21,6 +23,23 @@ columns in act-order (decreasing activation) by default; --no-act-order turns th
 """
 
 METHODS = ("rtn", "awq", "gptq")
+
+
+def _calibration_note(method: str, num_samples: int, seq_len: int, num_layers: int, num_linears: int) -> str:
+    """One line before calibration, which can take long: the work, and how to make it shorter."""
+    from pagedllm.platform import capabilities
+
+    note = (
+        f"{method}: calibrating {num_linears} linears in {num_layers} decoder layers, one layer at a time, "
+        f"on {num_samples} samples x {seq_len} tokens"
+    )
+    caps = capabilities()
+    if not caps.at_least("avx512"):
+        note += (
+            f"; this may take long on this CPU ({caps.tier} tier, no AVX-512/AMX): "
+            "fewer --num-samples (e.g. 8) or a shorter --seq-len make it shorter"
+        )
+    return note
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -52,6 +71,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_threads_arg(p)
     p.set_defaults(run=run)
     return p
 
@@ -113,8 +133,12 @@ def run(args) -> int:
         if len(calib) < args.num_samples:
             raise InputError(f"calibration file {args.calib} is too short", param="calib")
         # check every layer shape first: a bad group size fails before minutes of calibration
-        for name in linear_layer_names(model):
+        names = linear_layer_names(model)
+        for name in names:
             check_layer_shape(name, model.get_submodule(name).in_features, args.bits, group_size)
+        if show:
+            note = _calibration_note(args.method, len(calib), args.seq_len, config.num_layers, len(names))
+            sys.stderr.write(note + "\n")
         kwargs = {"act_order": args.act_order} if args.method == "gptq" else {}
         qts = fn(model, calib, bits=args.bits, group_size=group_size, show_progress=show, **kwargs)
         replace_linears(model, qts)
