@@ -44,16 +44,20 @@ fi
 # Memory first: it does not run the model, and its figures are exact.
 run bench memory --output-json "$OUT/memory.json" --plot-dir "$IMG"
 
-# W32 offline, ours vs HF bf16 vs llama.cpp vs OpenVINO, medians of W32_REPEAT runs.
-run bench throughput --dataset "$W32" --repeat "$W32_REPEAT" "${PEERS[@]}" \
+# W32 offline, ours vs HF (same dtype) vs llama.cpp vs OpenVINO, medians of W32_REPEAT runs. Both modes of
+# ours, each spelled out: --quantization none here (the GGUF dequantized to the compute dtype), gguf below
+# (its blocks served natively). The default, auto, is one or the other depending on the CPU, so leaving it
+# unsaid would run the same mode twice on most machines and never the other.
+run bench throughput --dataset "$W32" --repeat "$W32_REPEAT" --quantization none "${PEERS[@]}" \
     --output-json "$OUT/w32.json" --plot-dir "$IMG"
 
 # single50: one stream, decode tok/s and TTFT.
-run bench throughput --dataset "$SINGLE50" --repeat "$SINGLE_REPEAT" "${PEERS[@]}" \
+run bench throughput --dataset "$SINGLE50" --repeat "$SINGLE_REPEAT" --quantization none "${PEERS[@]}" \
     --output-json "$OUT/single50.json"
 
 # The same two workloads on the default model's own Q4_1 weights, served natively (the C++ 1-4 row kernel
-# and the AMX kernel above where the CPU has it), the peers beside them again in the same run.
+# and the AMX kernel above where the CPU has it), the peers beside them again in the same run. docs/img/
+# offline_w32.png draws both W32 runs (pagedllm.bench.report's replot), every row each one measured.
 run bench throughput --dataset "$W32" --repeat "$W32_REPEAT" --quantization gguf "${PEERS[@]}" \
     --output-json "$OUT/w32_gguf.json"
 run bench throughput --dataset "$SINGLE50" --repeat "$SINGLE_REPEAT" --quantization gguf "${PEERS[@]}" \

@@ -36,6 +36,7 @@ LAYERS: list[set[str]] = [
         "pagedllm.cpp_extension",
         "pagedllm.ops",  # the op table: which backend each op runs on this machine
         "pagedllm.kernels",  # the list of C++ kernels and their tiers
+        "pagedllm.plot_style",  # the look of every PNG: bench plots and `plan --plot`
     },
     {
         "pagedllm.config",

@@ -338,7 +338,11 @@ def replot(d: Path, img: Path) -> None:
     from pagedllm.bench import plots
 
     if w32 := _load(d, "w32.json"):
-        plots.plot_offline(w32, img / "offline_w32.png", "W32: output tokens/s")
+        # bench_all.sh runs W32 dequantized (--quantization none), then with the GGUF served natively
+        more = {"gguf": _load(d, "w32_gguf.json")}
+        plots.plot_offline(
+            w32, img / "offline_w32.png", "W32: output tokens/s", quantization="none", more_runs=more
+        )
     if serve := _load(d, "serve.json"):
         runs = serve.get("runs", [serve])
         plots.plot_latency(runs, img / "serve_latency.png")

@@ -2,37 +2,47 @@
 
 from __future__ import annotations
 
+from pagedllm import plot_style as style
 from pagedllm.errors import InputError
 from pagedllm.units import format_size
 
-USED, WASTED, WEIGHTS, OVERHEAD, IDLE = "#4c9a2a", "#d9534f", "#7f7f7f", "#f0ad4e", "#e8e8e8"
-KV_SHADES = ("#3b6fb6", "#6a96d6")
+USED, WASTED, WEIGHTS, OVERHEAD, IDLE = "#4c9a2a", style.SECOND, style.PEER, "#f0ad4e", "#e8e8e8"
+KV_SHADES = (style.OURS, style.OURS_LIGHT)
 MAX_BOUNDARIES = 64  # more block lines than this is a smear; skip them
 MAX_USER_SEGMENTS = 128
+QUANTIZED = ("int8", "int4", "fp8")  # weight dtypes that are a quantization
 
 
-def plot_plan(plan: dict, path: str) -> None:
-    """Write a PNG with up to two panels; which ones depends on the keys the plan holds."""
-    import matplotlib
+def _meta(plan: dict) -> dict:
+    """The header's fields. No CPU: a plan is arithmetic for any machine, not a measurement of this one."""
+    shape = f"{plan['num_layers']} layers, kv_width {plan['kv_width']}" if "kv_width" in plan else None
+    wdtype = plan.get("weight_dtype")
+    return {
+        "model": plan.get("model") or shape,
+        "dtype": f"{plan['dtype']} (KV cache)" if "dtype" in plan else None,
+        "quantization": (wdtype if wdtype in QUANTIZED else "none") if wdtype else None,
+        "cpu": False,
+    }
 
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
 
+def plan_figure(plan: dict):
+    """The Figure, with up to two panels; which ones depends on the keys the plan holds."""
     panels = [
         name for name, key in (("slots", "blocks_per_request"), ("memory", "memory_bytes")) if key in plan
     ]
     if not panels:
         raise InputError("--plot needs --seq-len (one request's blocks) or --memory (the memory bar)", "plot")
-    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 2.6 * len(panels)), squeeze=False)
-    for ax, name in zip(axes[:, 0], panels):
-        (_draw_slots if name == "slots" else _draw_memory)(ax, plan)
-    fig.tight_layout()
-    try:
-        fig.savefig(path, dpi=110)
-    except OSError as e:
-        raise InputError(f"cannot write plot {path!r}: {e.strerror}", param="plot") from None
-    finally:
-        plt.close(fig)
+    with style.styled() as plt:
+        fig, axes = style.figure(plt, len(panels), 1, figsize=(10, 1.0 + 2.6 * len(panels)), squeeze=False)
+        for ax, name in zip(axes[:, 0], panels):
+            (_draw_slots if name == "slots" else _draw_memory)(ax, plan)
+        fig.suptitle(style.header("pagedllm plan: KV-cache memory", **_meta(plan)))
+    return fig
+
+
+def plot_plan(plan: dict, path: str) -> None:
+    """Write plan_figure to a PNG (an unwritable path is an InputError)."""
+    style.save(plan_figure(plan), path, make_dirs=False, dpi=110)
 
 
 def _draw_slots(ax, plan: dict) -> None:
@@ -53,6 +63,7 @@ def _draw_slots(ax, plan: dict) -> None:
         ax.text(m, 1, f"  max_len {m}, {m - s} unused", va="center", fontsize=8)
     ax.set_yticks(range(len(rows)), rows)
     ax.set_xlabel("token slots of one request")
+    style.integer_ticks(ax.xaxis)
     ax.set_title(f"one request of {s} tokens in blocks of {bs}")
     ax.margins(x=0.25)
     ax.legend(loc="lower right", fontsize=8)
@@ -87,4 +98,4 @@ def _draw_memory(ax, plan: dict) -> None:
     ax.set_title(
         f"memory {format_size(plan['memory_bytes'])}: KV budget {format_size(plan['kv_budget_bytes'])}"
     )
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=4, fontsize=8)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)  # beside the bar

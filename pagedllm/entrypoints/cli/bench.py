@@ -159,6 +159,18 @@ def _prompts(args: argparse.Namespace, default_num: int, vocab_size: int):
     )
 
 
+def _plot_labels(args: argparse.Namespace, engine=None) -> dict[str, str]:
+    """What a plot's title names: the model, and the dtype and quantization the engine actually runs (the
+    flags' values when no engine is at hand, as for `bench serve`)."""
+    if engine is None:
+        return {"model": args.model, "dtype": args.dtype, "quantization": args.quantization}
+    return {
+        "model": args.model,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "quantization": engine.quantization or "none",
+    }
+
+
 def _write_json(path: str | None, report: dict) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -206,14 +218,16 @@ def run_throughput(args: argparse.Namespace) -> int:
         )
     print(_format_throughput(report))
     # vLLM's flat keys at the top (ours), each system's full figures and the ratios beside them
-    _write_json(args.output_json, {**report["pagedllm"], **report})
+    labels = _plot_labels(args, engine)
+    # the labels go into the JSON (which `bench report` re-plots from), not into `report`, whose other
+    # top-level values are all ratios
+    _write_json(args.output_json, {**report["pagedllm"], **report, **labels})
     if args.plot_dir:
         from pagedllm.bench.plots import plot_offline
 
         stem = Path(args.dataset).stem if args.dataset else "random"
-        print(
-            f"plot: {plot_offline(report, Path(args.plot_dir) / f'offline_{stem}.png', f'{stem}: output tokens/s')}"
-        )
+        path = Path(args.plot_dir) / f"offline_{stem}.png"
+        print(f"plot: {plot_offline(report, path, f'{stem}: output tokens/s', **labels)}")
     sys.stdout.flush()
     return 0
 
@@ -351,9 +365,10 @@ def run_serve(args: argparse.Namespace) -> int:
         from pagedllm.bench.plots import plot_concurrency, plot_latency
 
         d = Path(args.plot_dir)
-        print(f"plot: {plot_latency(runs, d / 'serve_latency.png')}")
+        labels = {k: v for k, v in _plot_labels(args).items() if k != "model"}  # the runs name the model
+        print(f"plot: {plot_latency(runs, d / 'serve_latency.png', **labels)}")
         if len(runs) > 1:
-            print(f"plot: {plot_concurrency(runs, d / 'serve_concurrency.png')}")
+            print(f"plot: {plot_concurrency(runs, d / 'serve_concurrency.png', **labels)}")
     return 1 if any(r["failed"] for r in runs) else 0
 
 
@@ -405,5 +420,6 @@ def run_memory(args: argparse.Namespace) -> int:
     if args.plot_dir:
         from pagedllm.bench.plots import plot_memory
 
-        print(f"plot: {plot_memory(report, Path(args.plot_dir) / 'memory.png')}")
+        path = Path(args.plot_dir) / "memory.png"
+        print(f"plot: {plot_memory(report, path, **_plot_labels(args, engine))}")
     return 0
