@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.errors import InputError
 
 MAX_LOGPROBS = 20
+# A seed is a signed 64-bit integer, as in vLLM; n siblings seed their generators with seed + i (mod 2^64).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class RequestOutputKind(enum.Enum):
@@ -129,6 +132,28 @@ class SamplingParams:
         def bad(name: str, msg: str) -> InputError:
             return InputError(f"{name} {msg}", param=name)
 
+        # NaN passes every comparison below as "in range" and infinity makes softmax NaN: refuse both first.
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(name, f"must be a finite number, got {v!r}")
+        for name in ("n", "top_k", "min_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise bad(name, f"must be an integer, got {v!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise bad("seed", f"must be an integer in [-2^63, 2^63 - 1], got {self.seed!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be at least 1, got {self.n}")
         if self.temperature < 0:
@@ -162,5 +187,30 @@ class SamplingParams:
             self.structured_outputs, StructuredOutputsParams
         ):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")
-        if any(not s for s in self.stop):
+        if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "strings must not be empty")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative token ids")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise bad("logit_bias", f"keys must be non-negative token ids, got {token_id!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise bad("logit_bias", f"values must be numbers in [-100, 100], got {bias!r}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """What only the model can bound: token ids within its vocabulary, top_k at most its size. Called by
+        the engine when the request arrives, so that nothing out of range reaches a batched step."""
+        if self.top_k > vocab_size:
+            raise InputError(
+                f"top_k must be at most the vocabulary size ({vocab_size}), or 0 / -1 (off); got {self.top_k}",
+                param="top_k",
+            )
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", list(self.logit_bias or ())),
+        ):
+            for t in ids:
+                if t >= vocab_size:
+                    raise InputError(
+                        f"{name}: token id {t} is outside the vocabulary (size {vocab_size})", param=name
+                    )

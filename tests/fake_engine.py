@@ -157,6 +157,8 @@ class FakeEngine:
             raise InputError("prompt must not be empty", param="prompt")
         if len(ids) >= self.max_model_len:
             raise InputError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}", "prompt")
+        if "__crash__" in self.tokenizer.decode(ids):  # a bug outside any handled error: a 500
+            raise RuntimeError("crash: the fake engine's add_request failed on purpose")
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
         choices = [_Choice(index=i) for i in range(params.n)]

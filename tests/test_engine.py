@@ -211,6 +211,45 @@ def test_request_that_can_never_fit_is_rejected_and_others_go_on(llm):
     )
 
 
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(min_p=float("nan")), "min_p"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(frequency_penalty=float("-inf")), "frequency_penalty"),
+        (dict(seed=2**63), "seed"),
+        (dict(seed=-(2**63) - 1), "seed"),
+        (dict(top_k=2.5), "top_k"),
+        (dict(stop_token_ids=[-3]), "stop_token_ids"),
+        (dict(logit_bias={5: float("nan")}), "logit_bias"),
+    ],
+)
+def test_sampling_params_refuse_non_finite_and_out_of_range(kwargs, field):
+    with pytest.raises(InputError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == field
+
+
+def test_ids_and_top_k_beyond_the_vocabulary_are_refused_at_add(llm):
+    engine = llm.llm_engine
+    vocab = engine.model_config.vocab_size
+    for kwargs, field in [
+        (dict(top_k=vocab + 1), "top_k"),
+        (dict(stop_token_ids=[vocab]), "stop_token_ids"),
+        (dict(logit_bias={vocab: 1.0}), "logit_bias"),
+    ]:
+        with pytest.raises(InputError) as e:
+            engine.add_request("bad", [1, 2, 3], SamplingParams(max_tokens=2, **kwargs))
+        assert e.value.param == field
+    assert not engine.has_unfinished_requests()
+    # the int64 edge seeds two siblings without overflow (seed + 1 wraps modulo 2^64)
+    out = llm.generate([[1, 2, 3]], SamplingParams(n=2, seed=2**63 - 1, max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs) == 2
+
+
 def test_metrics_times_are_ordered(llm):
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
     m = out.metrics

@@ -93,7 +93,9 @@ def test_echo_logprobs_over_http_match(client, server, hf):
         model=server.model, prompt=text, echo=True, logprobs=2, max_tokens=1, temperature=0
     )
     lp = r.choices[0].logprobs
-    ids = httpx.post(server.url("/tokenize"), json={"prompt": text}, timeout=30).json()["tokens"]
+    ids = httpx.post(
+        server.url("/tokenize"), json={"prompt": text}, headers=server.headers, timeout=30
+    ).json()["tokens"]
     assert r.choices[0].text.startswith(text)
     n = len(ids)
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
@@ -132,5 +134,5 @@ def test_echo_logprobs_over_http_match(client, server, hf):
     assert client.models.retrieve(server.model).id == server.model
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("no-such-model")
-    info = httpx.get(server.url("/tokenizer_info"), timeout=30).json()
+    info = httpx.get(server.url("/tokenizer_info"), headers=server.headers, timeout=30).json()
     assert info["eos_token"] == "<|im_end|>" and info["chat_template"]

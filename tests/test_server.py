@@ -40,6 +40,7 @@ class ServerInfo:
     api_key: str = API_KEY
     # disconnect test: a request this long is still running when the client drops
     long_max_tokens: int = 1000
+    process: subprocess.Popen | None = None  # the server's process, when the test started one
 
     def url(self, path: str) -> str:
         return self.base_url + path
@@ -96,19 +97,21 @@ def running_server(log: Path, *args: str, model: str = "default") -> Iterator[Se
             wait_healthy(base_url, STARTUP_TIMEOUT_S, alive=lambda: proc.poll() is None)
         except AssertionError as e:
             raise AssertionError(f"{e}\n--- server log ---\n{log.read_text()[-5000:]}") from None
-        yield ServerInfo(base_url=base_url, model=model, long_max_tokens=1000)
+        yield ServerInfo(base_url=base_url, model=model, long_max_tokens=1000, process=proc)
     finally:
         stop_server(proc)
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM (the server drains), then SIGKILL if it has not exited within 30 s."""
+def stop_server(proc: subprocess.Popen) -> int:
+    """SIGTERM (the server drains), then SIGKILL if it has not exited within 30 s; its exit status."""
+    if proc.poll() is not None:
+        return proc.returncode
     proc.terminate()
     try:
-        proc.wait(timeout=30)
+        return proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait(timeout=10)
+        return proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +135,7 @@ def client(server: ServerInfo) -> Iterator[openai.OpenAI]:
 
 def read_metrics(server: ServerInfo) -> dict[str, float]:
     """`name{labels}` -> value for every sample line of /metrics."""
-    text = httpx.get(server.url("/metrics"), timeout=10).text
+    text = httpx.get(server.url("/metrics"), headers=server.headers, timeout=10).text
     samples = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -142,7 +145,7 @@ def read_metrics(server: ServerInfo) -> dict[str, float]:
 
 
 def num_tokens(server: ServerInfo, prompt: str) -> int:
-    r = httpx.post(server.url("/tokenize"), json={"prompt": prompt}, timeout=10)
+    r = httpx.post(server.url("/tokenize"), json={"prompt": prompt}, headers=server.headers, timeout=10)
     r.raise_for_status()
     return r.json()["count"]
 
@@ -158,7 +161,7 @@ def assert_good_request(client: openai.OpenAI, server: ServerInfo) -> None:
 
 def test_health_version_models(server: ServerInfo, client: openai.OpenAI) -> None:
     assert httpx.get(server.url("/health"), timeout=10).status_code == 200
-    version = httpx.get(server.url("/version"), timeout=10).json()["version"]
+    version = httpx.get(server.url("/version"), headers=server.headers, timeout=10).json()["version"]
     assert re.match(r"\d+\.\d+", version)
     models = client.models.list().data
     assert [m.id for m in models] == [server.model]
@@ -167,21 +170,34 @@ def test_health_version_models(server: ServerInfo, client: openai.OpenAI) -> Non
 
 def test_tokenize_detokenize_round_trip(server: ServerInfo) -> None:
     text = "Paged attention keeps the KV cache in blocks."
-    r = httpx.post(server.url("/tokenize"), json={"model": server.model, "prompt": text}, timeout=10).json()
+    r = httpx.post(
+        server.url("/tokenize"),
+        json={"model": server.model, "prompt": text},
+        headers=server.headers,
+        timeout=10,
+    ).json()
     assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] > r["count"]
     no_special = httpx.post(
-        server.url("/tokenize"), json={"prompt": text, "add_special_tokens": False}, timeout=10
+        server.url("/tokenize"),
+        json={"prompt": text, "add_special_tokens": False},
+        headers=server.headers,
+        timeout=10,
     ).json()["tokens"]
-    back = httpx.post(server.url("/detokenize"), json={"tokens": no_special}, timeout=10).json()["prompt"]
+    back = httpx.post(
+        server.url("/detokenize"), json={"tokens": no_special}, headers=server.headers, timeout=10
+    ).json()["prompt"]
     assert back.strip() == text
     chat = httpx.post(
-        server.url("/tokenize"), json={"messages": [{"role": "user", "content": "hi"}]}, timeout=10
+        server.url("/tokenize"),
+        json={"messages": [{"role": "user", "content": "hi"}]},
+        headers=server.headers,
+        timeout=10,
     )
     assert chat.status_code == 200 and chat.json()["count"] > 1
 
 
 def test_metrics_names(server: ServerInfo) -> None:
-    text = httpx.get(server.url("/metrics"), timeout=10).text
+    text = httpx.get(server.url("/metrics"), headers=server.headers, timeout=10).text
     for name in [
         "num_requests_running",
         "num_requests_waiting",
@@ -268,7 +284,9 @@ def test_completion_n2(server: ServerInfo, client: openai.OpenAI) -> None:
 
 
 def test_completion_batch_and_token_prompts(server: ServerInfo, client: openai.OpenAI) -> None:
-    ids = httpx.post(server.url("/tokenize"), json={"prompt": "Hello there"}, timeout=10).json()["tokens"]
+    ids = httpx.post(
+        server.url("/tokenize"), json={"prompt": "Hello there"}, headers=server.headers, timeout=10
+    ).json()["tokens"]
     by_ids = client.completions.create(model=server.model, prompt=ids, max_tokens=4, temperature=0)
     by_text = client.completions.create(model=server.model, prompt="Hello there", max_tokens=4, temperature=0)
     assert by_ids.choices[0].text == by_text.choices[0].text
@@ -471,6 +489,9 @@ def test_api_key_required(server: ServerInfo, client: openai.OpenAI) -> None:
     r = httpx.post(server.url("/v1/completions"), json={"model": server.model, "prompt": "x"}, timeout=10)
     assert r.status_code == 401 and r.json()["error"]["code"] == 401
     assert httpx.get(server.url("/health"), timeout=10).status_code == 200  # probes need no key
+    for path in ("/metrics", "/version", "/openapi.json"):  # everything else does
+        assert httpx.get(server.url(path), timeout=10).status_code == 401, path
+    assert httpx.post(server.url("/tokenize"), json={"prompt": "x"}, timeout=10).status_code == 401
     assert_good_request(client, server)
 
 

@@ -132,3 +132,43 @@ def test_shutdown_aborts_what_does_not_finish_in_time() -> None:
         assert not engine.is_running
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def _read_response(sock) -> tuple[int, bytes]:
+    """(status, body) of one HTTP/1.1 response with a Content-Length, read from a raw socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        assert chunk, f"connection closed before a response: {data!r}"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next(
+        int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")
+    )
+    while len(body) < length:
+        chunk = sock.recv(4096)
+        assert chunk, "connection closed inside a response body"
+        body += chunk
+    return int(head.split()[1]), body
+
+
+def test_a_500_keeps_the_connection_for_the_next_request(server: ServerInfo) -> None:
+    import json
+    import socket
+
+    host, port = server.base_url.removeprefix("http://").split(":")
+
+    def request(prompt: str) -> bytes:
+        body = json.dumps({"model": server.model, "prompt": prompt, "max_tokens": 2}).encode()
+        return (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.api_key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
+
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(request("__crash__"))
+        status, body = _read_response(sock)
+        assert status == 500 and json.loads(body)["error"]["code"] == 500
+        sock.sendall(request("hello"))  # the same keep-alive connection
+        status, body = _read_response(sock)
+        assert status == 200 and json.loads(body)["choices"], body

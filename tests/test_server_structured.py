@@ -212,8 +212,12 @@ def test_tool_history_is_rendered_and_auto_parses_hermes_calls(client, server):
     if choice.finish_reason != "tool_calls":
         assert choice.message.content and not choice.message.tool_calls
     # the prompt carried the tools, the earlier call and its result
-    tokens = httpx.post(server.url("/tokenize"), json={"messages": history}, timeout=30).json()["tokens"]
-    rendered = httpx.post(server.url("/detokenize"), json={"tokens": tokens}, timeout=30).json()["prompt"]
+    tokens = httpx.post(
+        server.url("/tokenize"), json={"messages": history}, headers=server.headers, timeout=30
+    ).json()["tokens"]
+    rendered = httpx.post(
+        server.url("/detokenize"), json={"tokens": tokens}, headers=server.headers, timeout=30
+    ).json()["prompt"]
     assert '"get_weather"' in rendered and "<tool_response>" in rendered and '"temperature": 21' in rendered
     # tool_choice none: plain text, even with tools
     r = client.chat.completions.create(model=server.model, messages=WEATHER_ASK, tools=[WEATHER], tool_choice="none",

@@ -37,6 +37,10 @@ class EngineClosedError(RuntimeError):
     """The engine is shutting down (or its loop thread died): no new requests are taken."""
 
 
+class EngineBusyError(RuntimeError):
+    """The waiting queue is full (max_num_waiting): the server answers 503 with Retry-After."""
+
+
 class RequestFailedError(RuntimeError):
     """The request ended unfinished: engine.step() raised, it was aborted, or the engine shut down."""
 
@@ -106,8 +110,19 @@ class AsyncEngine:
     `on_output(output, new_tokens, timing, now)` for every RequestOutput and `on_abort(request_id)`.
     """
 
-    def __init__(self, engine: Any, *, stats_observer: Any = None, start: bool = True):
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        stats_observer: Any = None,
+        start: bool = True,
+        max_num_waiting: int | None = None,
+    ):
+        """max_num_waiting: the most sequences that may wait for a place in the running batch; a request
+        that would pass it is refused (EngineBusyError) instead of queueing behind everyone (None: no bound).
+        """
         self.engine = engine
+        self.max_num_waiting = max_num_waiting
         self.observer = stats_observer
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # loop thread only
@@ -249,6 +264,7 @@ class AsyncEngine:
             try:
                 if request_id in self._streams:
                     raise ValueError(f"request id {request_id!r} is already in flight")
+                self._check_queue(params)
                 self.engine.add_request(request_id, prompt, params, arrival_time=arrival_time)
             except Exception as e:  # InputError and friends go back to the caller of add_request
                 done.set_exception(e)
@@ -263,6 +279,19 @@ class AsyncEngine:
             self._abort(list(self._streams), RequestFailedError("aborted: the server is shutting down"))
             arg.set_result(None)
         # "wake" only interrupts the idle wait
+
+    def _check_queue(self, params: SamplingParams) -> None:
+        # Here on the loop thread the engine's count is exact: it includes the requests added since the
+        # last step (a burst of them all arrives between two steps).
+        limit = self.max_num_waiting
+        if limit is None:
+            return
+        waiting = self.engine.get_stats().num_waiting
+        if waiting + params.n > limit:
+            raise EngineBusyError(
+                f"the server is at capacity ({waiting} sequences waiting, --max-num-waiting {limit}); "
+                "retry shortly"
+            )
 
     def _abort(self, ids: list[str], error: BaseException) -> None:
         """Abort in the engine (freeing blocks) and end each stream with `error`, so that a consumer

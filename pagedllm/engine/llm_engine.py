@@ -204,6 +204,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise InputError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        params.check_vocab(vocab)
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(prompt_ids)
@@ -233,7 +234,7 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             gen = None
             if params.seed is not None:
-                gen = torch.Generator().manual_seed(params.seed + i)
+                gen = torch.Generator().manual_seed((params.seed + i) % 2**64)  # a uint64 seed
             req = Request(
                 request_id=child_id,
                 prompt_token_ids=prompt_ids,

@@ -9,8 +9,24 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pagedllm.entrypoints.engine_args import add_engine_args
+from pagedllm.entrypoints.engine_args import add_engine_args, apply_threads
 from pagedllm.entrypoints.engine_args import engine_kwargs as shared_engine_kwargs
+from pagedllm.entrypoints.openai.limits import HTTPLimits
+from pagedllm.errors import InputError
+from pagedllm.units import format_size, parse_size
+
+# (flag, HTTPLimits field, help): the connection timeouts, in seconds
+TIMEOUT_FLAGS = [
+    ("--timeout-header", "header_timeout", "seconds a client has to send a request's line and headers"),
+    ("--timeout-body", "body_timeout", "longest pause, in seconds, within a request body before 408"),
+    ("--timeout-keep-alive", "keep_alive_timeout", "seconds an idle keep-alive connection stays open"),
+    (
+        "--timeout-write",
+        "write_timeout",
+        "seconds a response may wait on a client that reads nothing before it is ended and its requests "
+        "aborted",
+    ),
+]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +52,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(<tool_call>{...}</tool_call>, the fallback prompt's convention) or json (the whole output is "
         "the call); default: %(default)s",
     )
+    g = parser.add_argument_group("limits (what one client may cost the server)")
+    d = HTTPLimits()
+    g.add_argument(
+        "--max-request-body",
+        default=format_size(d.max_body_bytes),
+        help="largest request body; a bigger one gets 413 before it is read (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-num-waiting",
+        type=int,
+        default=256,
+        help="most sequences waiting for a place in the batch; a request beyond it gets 503 with "
+        "Retry-After instead of queueing behind everyone (default: %(default)s; 0 = no bound)",
+    )
+    for flag, field, text in TIMEOUT_FLAGS:
+        g.add_argument(flag, type=float, default=getattr(d, field), help=f"{text} (default: %(default)s)")
     add_engine_args(parser)
+
+
+def http_limits(args: argparse.Namespace) -> HTTPLimits:
+    """The limits flags, checked: each must be positive (InputError naming the flag)."""
+    max_body = parse_size(args.max_request_body, "--max-request-body")
+    timeouts = {field: getattr(args, flag[2:].replace("-", "_")) for flag, field, _ in TIMEOUT_FLAGS}
+    values = {"--max-request-body": max_body, **{flag: timeouts[field] for flag, field, _ in TIMEOUT_FLAGS}}
+    for flag, value in values.items():
+        if not value > 0 or value == float("inf"):
+            raise InputError(f"{flag} must be a positive finite number, got {value}", param=flag)
+    if args.max_num_waiting < 0:
+        raise InputError(
+            f"--max-num-waiting must be >= 0, got {args.max_num_waiting}", param="--max-num-waiting"
+        )
+    if args.max_num_waiting == 0:
+        args.max_num_waiting = None
+    return HTTPLimits(max_body_bytes=int(max_body), **timeouts)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -49,4 +98,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def make_engine(args: argparse.Namespace) -> Any:
     from pagedllm.engine.llm_engine import LLMEngine
 
+    apply_threads(args)  # `python -m ...server` does not pass through the CLI's main, which applies it
     return LLMEngine(**engine_kwargs(args))

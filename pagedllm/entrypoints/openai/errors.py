@@ -6,18 +6,14 @@ The official clients turn the status into a typed exception (400 BadRequestError
 
 from __future__ import annotations
 
-import logging
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedllm.engine.async_engine import EngineClosedError, RequestFailedError
+from pagedllm.engine.async_engine import EngineBusyError, EngineClosedError, RequestFailedError
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from pagedllm.errors import InputError
-
-logger = logging.getLogger(__name__)
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -25,6 +21,8 @@ ERROR_TYPES = {
     403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
+    413: "RequestTooLargeError",
     422: "UnprocessableEntityError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
@@ -46,8 +44,14 @@ def error_body(message: str, status: int, param: str | None = None) -> ErrorResp
     return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=status))
 
 
-def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param).model_dump(), status_code=status)
+def error_response(
+    message: str, status: int = 400, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param).model_dump(), status_code=status, headers=headers)
+
+
+# How long a client turned away by a full queue should wait before it tries again (seconds).
+RETRY_AFTER_S = 1
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -56,6 +60,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     err = errors[0]
+    cause = err.get("ctx", {}).get("error")
+    if isinstance(cause, InputError):  # raised by a model validator: it knows its field better than loc
+        return str(cause), cause.param
     if err.get("type") == "json_invalid":
         return f"invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
     loc = [str(part) for part in err.get("loc", ()) if part != "body"]
@@ -82,16 +89,19 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _closed(_: Request, exc: EngineClosedError) -> JSONResponse:
         return error_response(str(exc), 503)
 
+    @app.exception_handler(EngineBusyError)
+    async def _busy(_: Request, exc: EngineBusyError) -> JSONResponse:
+        return error_response(str(exc), 503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
     @app.exception_handler(RequestFailedError)
     async def _failed(_: Request, exc: RequestFailedError) -> JSONResponse:
-        # Handled here rather than by the catch-all below, which re-raises and drops the connection.
         return error_response(str(exc), 500)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown route, method
-        return error_response(str(exc.detail), exc.status_code)
+        # keeps the exception's headers: a 405 says which methods the route allows (Allow)
+        return error_response(str(exc.detail), exc.status_code, headers=exc.headers)
 
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return error_response(f"internal error: {exc!r}", 500)
+    # Anything else is answered by limits.InternalErrorMiddleware: an exception handler for Exception
+    # would run in Starlette's outermost middleware, which re-raises it, and uvicorn then drops the
+    # keep-alive connection.

@@ -13,10 +13,21 @@ import time
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagedllm.errors import InputError
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams, closed_schema
+from pagedllm.sampling_params import (
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+    StructuredOutputsParams,
+    closed_schema,
+)
+
+# OpenAI's own bound on n; beyond it one request would occupy the engine for everyone else.
+MAX_N = 128
+# The roles OpenAI's chat API defines ("developer" is the newer name of "system").
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def random_id(prefix: str) -> str:
@@ -29,6 +40,46 @@ def now() -> int:
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+def first_unencodable(value: Any, path: str = "") -> str | None:
+    """The path of the first string in a decoded JSON body that is not valid UTF-8 text (JSON's \\ud800
+    escapes decode to lone surrogates, which no tokenizer or template can take), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        if isinstance(key, str) and first_unencodable(key) is not None:
+            return f"{path}.{key!r}" if path else repr(key)
+        where = first_unencodable(item, f"{path}.{key}" if path else str(key))
+        if where is not None:
+            return where
+    return None
+
+
+class OpenAIRequestModel(OpenAIBaseModel):
+    """A request body: no NaN or infinity in any number (Python's JSON reader accepts both), and text that
+    encodes as UTF-8; either is a 400 naming the field."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_utf8(cls, data: Any) -> Any:
+        where = first_unencodable(data)
+        if where is not None:
+            field = where.split(".")[0]
+            raise InputError(f"{where}: text is not valid UTF-8 (a lone surrogate?)", param=field)
+        return data
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -115,19 +166,19 @@ _REFUSED_COMMON: dict[str, tuple[Any, ...]] = {
 }
 
 
-class _SamplingRequest(OpenAIBaseModel):
+class _SamplingRequest(OpenAIRequestModel):
     """Fields completions and chat share, and their translation into SamplingParams."""
 
     # unknown fields are kept (model_extra) so that the server can log them
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True, allow_inf_nan=False)
     REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = _REFUSED_COMMON
 
     model: str | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -404,7 +455,7 @@ class NamedToolChoice(OpenAIBaseModel):
 
 
 class ChatMessageParam(OpenAIBaseModel):
-    role: str
+    role: Literal[ROLES]  # type: ignore[valid-type]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
@@ -544,7 +595,7 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(OpenAIRequestModel):
     """Either `prompt` (text) or `messages` (rendered with the chat template first)."""
 
     model: str | None = None
@@ -560,7 +611,7 @@ class TokenizeResponse(OpenAIBaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(OpenAIRequestModel):
     model: str | None = None
     tokens: list[int]
 

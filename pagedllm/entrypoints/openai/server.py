@@ -12,23 +12,35 @@ import argparse
 import asyncio
 import logging
 import secrets
+import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.engine.async_engine import AsyncEngine
-from pagedllm.entrypoints.openai.cli_args import add_arguments, make_engine
+from pagedllm.entrypoints.openai.cli_args import add_arguments, http_limits, make_engine
 from pagedllm.entrypoints.openai.errors import error_response, install_error_handlers
+from pagedllm.entrypoints.openai.limits import (
+    BodyLimitMiddleware,
+    HTTPLimits,
+    InternalErrorMiddleware,
+    guarded_h11_protocol,
+)
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -44,6 +56,40 @@ from pagedllm.version import __version__
 logger = logging.getLogger("pagedllm.server")
 
 
+OPEN_PATHS = frozenset({"/health"})
+
+# The error responses each kind of route can give, for the OpenAPI document (all with OpenAI's body).
+_ERRORS = {
+    400: "the request is malformed; `error.param` names the field",
+    401: "missing or wrong API key",
+    404: "no such model",
+    408: "the request body stalled",
+    413: "the request body is over --max-request-body",
+    500: "the request failed inside the engine",
+    503: "the model is loading, the server is shutting down, or the queue is full (see Retry-After)",
+}
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {c: {"model": ErrorResponse, "description": _ERRORS[c]} for c in codes}
+
+
+GENERATE_ERRORS = _errors(400, 401, 404, 408, 413, 500, 503)
+READ_ERRORS = _errors(401, 503)
+TOKENIZER_ERRORS = _errors(400, 401, 404, 408, 413, 503)
+# with stream: true, server-sent events whose data is a JSON chunk (the response's *StreamResponse), then
+# the text [DONE]
+SSE = {
+    "text/event-stream": {
+        "schema": {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+    }
+}
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
 def _respond(result: Any) -> Response:
     if isinstance(result, AsyncIterator):
         # no-cache / no proxy buffering: each step's chunk should reach the client right away
@@ -53,7 +99,9 @@ def _respond(result: Any) -> Response:
 
 
 class APIKeyMiddleware:
-    """401 unless `Authorization: Bearer KEY`, on /v1/* only (/health and /metrics stay open for probes).
+    """401 unless `Authorization: Bearer KEY`, on every route but /health (a load balancer's probe):
+    /metrics too (Prometheus sends the key with `authorization: {credentials: KEY}`), and /tokenize,
+    whose work is as large as its body.
 
     A plain ASGI middleware: Starlette's BaseHTTPMiddleware would wrap `receive` and hide client
     disconnects from the handlers (Request.is_disconnected), which we need to abort abandoned requests.
@@ -64,7 +112,7 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 await error_response("Invalid or missing API key", 401)(scope, receive, send)
@@ -99,6 +147,7 @@ def build_app(
     model_root: str | None = None,
     shutdown_timeout: float = 10.0,
     tool_call_parser: str = "hermes",
+    limits: HTTPLimits | None = None,
 ) -> FastAPI:
     metrics = ServerMetrics(engine.get_stats)
     engine.observer = metrics  # the loop thread records tokens and latencies as outputs arrive
@@ -115,25 +164,37 @@ def build_app(
     app.state.engine = engine
     app.state.metrics = metrics
     install_error_handlers(app)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
 
+    # The last added runs first: errors outermost, then the key (before a body is read), then the body.
+    app.add_middleware(BodyLimitMiddleware, limits=limits or HTTPLimits())
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(InternalErrorMiddleware)
 
-    @app.get("/health")
-    async def health() -> Response:
+    @app.get("/health", responses=_errors(503))
+    async def health() -> HealthResponse:
         if not engine.is_running:
             return error_response("the engine loop is not running", 503)
-        return JSONResponse({"status": "ok"})
+        return HealthResponse()
 
-    @app.get("/version")
+    @app.get("/version", responses=READ_ERRORS)
     async def version() -> VersionResponse:
         return VersionResponse(version=__version__)
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={
+            200: {"content": {metrics.content_type: {"schema": {"type": "string"}}}},
+            **READ_ERRORS,
+        },
+    )
     async def scrape() -> Response:
+        """Prometheus text exposition format."""
         return Response(metrics.render(), media_type=metrics.content_type)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=READ_ERRORS)
     async def models() -> ModelList:
         cards = [
             ModelCard(id=name, root=model_root or name, max_model_len=engine.max_model_len)
@@ -141,12 +202,12 @@ def build_app(
         ]
         return ModelList(data=cards)
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=_errors(401, 404, 503))
     async def model(model_id: str) -> ModelCard:
         chat.check_model(model_id)  # 404 for a name this server does not serve
         return ModelCard(id=model_id, root=model_root or model_id, max_model_len=engine.max_model_len)
 
-    @app.get("/tokenizer_info")
+    @app.get("/tokenizer_info", responses=READ_ERRORS)
     async def tokenizer_info() -> dict[str, Any]:
         """vLLM's endpoint: what a client needs to tokenize as the server does without a hub download
         (lm-eval's `tokenizer_backend=remote`, chosen by its "auto", reads it, then uses /tokenize and
@@ -164,18 +225,25 @@ def build_app(
             "model_max_length": engine.max_model_len,
         }
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={200: {"content": SSE}, **GENERATE_ERRORS},
+    )
     async def create_completion(request: CompletionRequest, raw: Request) -> Response:
         result = await _unless_disconnected(raw, completions.create_completion(request))
         return result if isinstance(result, Response) else _respond(result)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={200: {"content": SSE}, **GENERATE_ERRORS},
+    )
     async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
         result = await _unless_disconnected(raw, chat.create_chat_completion(request))
         return result if isinstance(result, Response) else _respond(result)
 
-    @app.post("/tokenize")
-    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+    def tokenize_sync(request: TokenizeRequest) -> list[int]:
         chat.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise InputError("give exactly one of prompt and messages", param="prompt")
@@ -188,15 +256,39 @@ def build_app(
         else:
             add_special = True if request.add_special_tokens is None else request.add_special_tokens
             tokens = chat.tokenizer.encode(request.prompt, add_special_tokens=add_special)
+        return tokens
+
+    @app.post("/tokenize", responses=TOKENIZER_ERRORS)
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        # in a worker thread: megabytes of text take seconds, and the tokenizer releases the GIL
+        tokens = await asyncio.to_thread(tokenize_sync, request)
         return TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens)
 
-    @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+    def detokenize_sync(request: DetokenizeRequest) -> str:
         chat.check_model(request.model)
         chat.check_token_ids(request.tokens, "tokens")
-        return DetokenizeResponse(prompt=chat.tokenizer.decode(request.tokens))
+        return chat.tokenizer.decode(request.tokens)
+
+    @app.post("/detokenize", responses=TOKENIZER_ERRORS)
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        return DetokenizeResponse(prompt=await asyncio.to_thread(detokenize_sync, request))
 
     return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, minus its 422 responses: a malformed body is a 400 with OpenAI's error body
+    here (errors.py), which every route declares instead."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in doc.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        schemas = doc.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        app.openapi_schema = doc
+    return app.openapi_schema
 
 
 class StartupGate:
@@ -238,12 +330,16 @@ def run_server(args: argparse.Namespace) -> int:
             if gate.async_engine is not None:
                 await gate.async_engine.shutdown(timeout=args.shutdown_timeout)
             await super().shutdown(sockets=sockets)
+            # uvicorn re-raises a captured SIGTERM after shutdown, so the process would die of it (exit
+            # 143) even though it drained cleanly; a supervisor should see 0. SIGINT is left as it is.
+            self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     name = args.served_model_name or args.model
     # lifespan off: the real app arrives after uvicorn's startup; DrainingServer stops its engine instead
+    limits = http_limits(args)
     config = uvicorn.Config(
         gate,
         host=args.host,
@@ -251,6 +347,9 @@ def run_server(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
         lifespan="off",
+        http=guarded_h11_protocol(limits),
+        timeout_keep_alive=limits.keep_alive_timeout,
+        h11_max_incomplete_event_size=64 * 1024,  # the request line and headers
     )
     server = DrainingServer(config)
 
@@ -258,7 +357,7 @@ def run_server(args: argparse.Namespace) -> int:
         try:
             engine = make_engine(args)
             engine.warm_up()
-            gate.async_engine = AsyncEngine(engine)
+            gate.async_engine = AsyncEngine(engine, max_num_waiting=args.max_num_waiting)
             gate.app = build_app(
                 gate.async_engine,
                 served_model_names=[name],
@@ -266,6 +365,7 @@ def run_server(args: argparse.Namespace) -> int:
                 model_root=args.model,
                 shutdown_timeout=args.shutdown_timeout,
                 tool_call_parser=args.tool_call_parser,
+                limits=limits,
             )
             logger.info("ready: serving %s on http://%s:%d", name, args.host, args.port)
         except BaseException as e:  # a bad option or model: stop the server and report it as the CLI would

@@ -8,6 +8,7 @@ a named function only that function's arguments.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -43,6 +44,18 @@ from pagedllm.errors import InputError
 from pagedllm.sampling_params import StructuredOutputsParams, closed_schema
 
 ROLE = "assistant"
+# What the server passes to the chat template itself; chat_template_kwargs may not override them.
+TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "add_generation_prompt",
+        "add_special_tokens",
+        "tokenize",
+        "continue_final_message",
+    }
+)
 
 
 @dataclass
@@ -154,13 +167,22 @@ class OpenAIServingChat(OpenAIServing):
             else:
                 schema = forced_calls_schema(tools, request.parallel_tool_calls)
             constraint, field = StructuredOutputsParams(json=closed_schema(schema)), "tools"
-        token_ids = self.render_messages(
+        template_kwargs = request.chat_template_kwargs or {}
+        taken = sorted(set(template_kwargs) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise InputError(
+                f"chat_template_kwargs may not set {taken[0]!r}: it is a field of the request",
+                param="chat_template_kwargs",
+            )
+        # in a worker thread: a template over megabytes of messages, then their tokenization, take seconds
+        token_ids = await asyncio.to_thread(
+            self.render_messages,
             request.messages,
             tools,
             add_generation_prompt=request.add_generation_prompt,
             add_special_tokens=request.add_special_tokens,
             continue_final_message=request.continue_final_message,
-            **(request.chat_template_kwargs or {}),
+            **template_kwargs,
         )
 
         max_tokens_param = (

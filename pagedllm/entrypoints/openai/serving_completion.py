@@ -6,6 +6,7 @@ in the response, as in OpenAI's API.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,7 +79,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.suffix:
             raise InputError("suffix is not supported", param="suffix")
         constraint, field = request.structured_outputs_params()
-        prompts = self._prompts(request)
+        # in a worker thread: tokenizing megabytes takes seconds (the tokenizer releases the GIL)
+        prompts = await asyncio.to_thread(self._prompts, request)
         # echo with max_tokens=0 scores the prompt without generating (the older scoring idiom): the
         # engine samples one token, which the response leaves out
         score_only = request.echo and request.max_tokens == 0

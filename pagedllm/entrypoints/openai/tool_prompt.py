@@ -42,8 +42,10 @@ def conversation(
     out: list[dict[str, Any]] = []
     for m in messages:
         text = m.text()
+        # "developer" is OpenAI's newer name for "system"; chat templates know only the older one
+        role = "system" if m.role == "developer" else m.role
         if native:
-            d: dict[str, Any] = {"role": m.role, "content": text}
+            d: dict[str, Any] = {"role": role, "content": text}
             if m.tool_calls:
                 d["tool_calls"] = [
                     {
@@ -70,7 +72,7 @@ def conversation(
                 f"{c.function.arguments or '{}'}}}\n{TOOL_CALL_END}"
                 for c in m.tool_calls or []
             ]
-            out.append({"role": m.role, "content": "\n".join(x for x in [text, *calls] if x)})
+            out.append({"role": role, "content": "\n".join(x for x in [text, *calls] if x)})
     for d in out:
         d.pop("_tool_results", None)
     if tools and not native:
