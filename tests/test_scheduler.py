@@ -432,3 +432,33 @@ def test_token_ids_slice_is_a_slice_of_all_token_ids():
     for start in range(n + 1):
         for end in range(start, n + 1):
             assert r.token_ids_slice(start, end) == r.all_token_ids[start:end], (start, end)
+
+
+def test_a_long_queue_costs_one_lookup_a_step_not_one_per_waiting_request():
+    """A full cache with thousands waiting: each step looks up the head of the queue once (it does not fit,
+    so admission stops there), never the whole queue; the offline engine's steps then cost what the running
+    batch costs however long the queue."""
+    sched = make_scheduler(num_blocks=48, max_num_seqs=64)
+    rng = random.Random(0)
+    for i in range(2000):
+        sched.add_request(make_request(f"r{i}", [rng.randrange(1000) for _ in range(32)], max_tokens=64))
+    kv = sched.kv_cache_manager
+    lookups = 0
+    real = kv.get_computed_blocks
+
+    def counting(request):
+        nonlocal lookups
+        lookups += 1
+        return real(request)
+
+    kv.get_computed_blocks = counting
+    runner = FakeRunner()
+    for _ in range(50):
+        out = sched.schedule()
+        sched.update_from_output(out, runner.execute(out))
+    admitted = sum(1 for r in sched.requests.values() if r.status != RequestStatus.WAITING) + (
+        2000 - len(sched.requests)
+    )
+    # one failed lookup per step at most, plus one per request admitted (re-admissions after preemption too)
+    assert lookups <= 50 + admitted + sched.num_preemptions
+    assert len(sched.waiting) > 1900

@@ -31,6 +31,7 @@ from pagedllm.entrypoints.openai.limits import (
     BodyLimitMiddleware,
     HTTPLimits,
     InternalErrorMiddleware,
+    cap_allocator_growth,
     guarded_h11_protocol,
 )
 from pagedllm.entrypoints.openai.protocol import (
@@ -316,6 +317,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    cap_allocator_growth()  # before the model loads and the threads start
     gate = StartupGate()
     failure: list[BaseException] = []
 
