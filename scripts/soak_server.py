@@ -8,8 +8,9 @@ non-streaming completion (short or long prompt, n=1..3), a /tokenize of a long t
 a lone surrogate, an unknown role, n=1000, a 20 MB body, a stalled header). It records every status,
 samples the server's RSS every 10 s, and at the end waits for the engine to drain and reads /metrics.
 
-Pass if: no 5xx and no unexpected status, RSS at the end within 5% of RSS after the first minute, and
-every KV block free (or cached) with nothing running or waiting at the end.
+Pass if: no 5xx and no unexpected status, RSS at the end at most 5% above RSS after the first minute (it
+swings by about that much with the work in flight, so a drop is no failure), every KV block free with
+nothing running or waiting at the end, and exit status 0 after SIGTERM.
 """
 
 from __future__ import annotations
@@ -195,12 +196,20 @@ async def soak(base: str, model: str, workers: int, minutes: float, pid: int, se
         "rss_after_first_minute": after_first_minute,
         "rss_end": end,
         "rss_growth": end / after_first_minute - 1,
+        "rss_range_minutes_1_3": _range(rss, 60, 180),
+        "rss_range_last_3_minutes": _range(rss, minutes * 60 - 180, minutes * 60),
         "blocks_total": metrics["pagedllm:kv_cache_blocks_total"],
         "blocks_free_end": metrics["pagedllm:kv_cache_blocks_free"],
         "running_end": metrics["pagedllm:num_requests_running"],
         "waiting_end": metrics["pagedllm:num_requests_waiting"],
         "rss_samples": rss,
     }
+
+
+def _range(samples: list[tuple[float, int]], start: float, end: float) -> list[int]:
+    """[min, max] RSS of the samples taken between start and end seconds."""
+    values = [b for t, b in samples if start <= t < end] or [0]
+    return [min(values), max(values)]
 
 
 def _parse(text: str) -> dict[str, float]:
@@ -249,7 +258,7 @@ def main() -> int:
     ok = (
         report["server_errors"] == 0
         and report["num_unexpected"] == 0
-        and abs(report["rss_growth"]) <= 0.05
+        and report["rss_growth"] <= 0.05  # RSS swings with the work in flight; only growth is a leak
         and report["blocks_free_end"] == report["blocks_total"]
         and report["running_end"] == report["waiting_end"] == 0
         and code == 0
