@@ -22,23 +22,19 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedllm.bench.launch import free_port
 
 KEY = "soak-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TEXT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "wikitext-2" / "test.txt"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_bytes(pid: int) -> int:
@@ -213,11 +209,12 @@ def _range(samples: list[tuple[float, int]], start: float, end: float) -> list[i
 
 
 def _parse(text: str) -> dict[str, float]:
+    """/metrics as `name{labels}` -> value, the way Prometheus reads it."""
     out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return out
 
 

@@ -170,7 +170,7 @@ class _SamplingRequest(OpenAIRequestModel):
     """Fields completions and chat share, and their translation into SamplingParams."""
 
     # unknown fields are kept (model_extra) so that the server can log them
-    model_config = ConfigDict(extra="allow", populate_by_name=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", populate_by_name=True)  # allow_inf_nan=False is inherited
     REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = _REFUSED_COMMON
 
     model: str | None = None
@@ -316,9 +316,7 @@ class _SamplingRequest(OpenAIRequestModel):
                 raise InputError(
                     f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
                 ) from None
-            if not -100 <= bias <= 100:
-                raise InputError(f"logit_bias values must be in [-100, 100], got {bias}", param="logit_bias")
-            out[token_id] = bias
+            out[token_id] = bias  # SamplingParams checks the range, and the vocabulary at add_request
         return out
 
     def make_sampling_params(
