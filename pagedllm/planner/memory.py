@@ -8,6 +8,7 @@ The formulas and the worked examples are in shared/spec/memory-and-quantization.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -78,6 +79,26 @@ def kv_bytes(batch: int, seq_len: int, num_layers: int, kv_width: int, dtype: st
 def block_bytes(block_size: int, bytes_per_token: int) -> int:
     """One block holds block_size tokens of every layer's K and V."""
     return _positive(block_size, "block_size") * _positive(bytes_per_token, "bytes_per_token")
+
+
+def num_blocks_for(memory_bytes: int, block_size: int, bytes_per_token: Sequence[int]) -> int:
+    """Blocks of block_size tokens that memory_bytes holds when every block keeps the K/V of each model.
+
+    bytes_per_token is one entry per model sharing the pool: [target] alone, or [target, draft] for a
+    speculative draft model, whose own paged cache has as many blocks of the same size as the target's
+    (block i holds both models' K/V for the same tokens). So the budget is split:
+    memory_bytes // (block_size * sum(bytes_per_token)).
+    """
+    if isinstance(bytes_per_token, (str, bytes)) or not isinstance(bytes_per_token, Sequence):
+        raise InputError(
+            f"bytes_per_token must be a sequence of whole numbers, got {bytes_per_token!r}",
+            param="bytes_per_token",
+        )
+    if not bytes_per_token:
+        raise InputError("bytes_per_token is empty: give one entry per model", param="bytes_per_token")
+    memory = _positive(memory_bytes, "memory_bytes", allow_zero=True)
+    per_token = sum(_positive(b, "bytes_per_token") for b in bytes_per_token)
+    return memory // block_bytes(block_size, per_token)
 
 
 def weight_bytes(num_params: int, dtype: str = "fp16") -> int:

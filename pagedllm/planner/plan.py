@@ -3,6 +3,12 @@
 The inputs are what `pagedllm plan` takes, already parsed: exact integers (sizes may still be text such
 as "40GiB", parsed here so that the errors come in the same order as before). Error messages name the
 command's flags, since that is where the inputs come from.
+
+Speculative decoding (a draft model, `--speculative-config` method draft_model): the draft keeps its own
+paged KV cache with as many blocks of the same block_size as the target's, block i holding both models'
+K/V for the same tokens. So every figure made of KV bytes a token (block, request, batch, waste, users
+that fit) uses target + draft bytes a token, and the weights in memory are the target's plus the draft's.
+Without draft inputs the plan is exactly what it was before they existed.
 """
 
 from __future__ import annotations
@@ -38,11 +44,23 @@ def build_plan(
     weights: int | str | None = None,
     weight_dtype: str | None = None,
     overhead: int | str | None = None,
+    draft_config: ModelConfig | None = None,
+    draft_model: str | None = None,
+    draft_model_path: str | None = None,
+    draft_weights: int | str | None = None,
+    draft_weight_dtype: str | None = None,
+    num_speculative_tokens: int | None = None,
 ) -> dict:
     """Everything the inputs determine, as a flat dict of exact integers (plus a few ratios).
 
     `config` (with the `model` name and `model_path` it came from) fills in what the shape flags leave
     out; a flag given explicitly wins over the config. Keys whose value is unknown are left out.
+
+    `draft_config` (with `draft_model`, `draft_model_path`) is a speculative draft model beside the target:
+    its KV (in the same cache dtype) and weights (`draft_weights` bytes, or from its parameter count in
+    `draft_weight_dtype`) are counted with the target's. `num_speculative_tokens` k adds k KV slots to every
+    running request (the positions a speculative step writes past the sequence); it applies with or without
+    a draft model (ngram speculation needs the slots too).
     """
     plan: dict = {}
     cfg = config
@@ -70,6 +88,7 @@ def build_plan(
             param="num_layers" if layers is None else "d_model",
         )
     dtype = mem.dtype_name(dtype)
+    k = _speculative_tokens(num_speculative_tokens)
     plan.update(num_layers=layers, num_kv_heads=heads, head_dim=hdim, kv_width=width, dtype=dtype)
     plan["bytes_per_element"] = float(mem.dtype_bytes(dtype))
     if cfg:
@@ -91,9 +110,25 @@ def build_plan(
 
     per_token = mem.kv_bytes_per_token(layers, width, dtype) if layers is not None else None
     plan["kv_bytes_per_token"] = per_token
+    draft_per_token = _plan_draft(plan, draft_config, draft_model, draft_model_path, dtype, per_token)
+    # Every block holds the target's and the draft's K/V for the same tokens: figures made of bytes a
+    # token use both (without a draft this is the target's alone, and every figure is as before).
+    total_per_token = None if per_token is None else per_token + (draft_per_token or 0)
     w = mem.waste(max_len, block_size, seq_len) if seq_len is not None else None
-    if per_token:
-        plan["block_bytes"] = mem.block_bytes(block_size, per_token)
+    slots = seq_len
+    if w and k:
+        # A speculative step writes K/V for k positions past the sequence (the draft's proposals, which the
+        # target verifies in the same step), so a running request holds seq_len + k slots: its blocks, its
+        # bytes and the users that fit count them. A naive cache reserving max_len would need them too.
+        slots = seq_len + k
+        plan.update(num_speculative_tokens=k, kv_slots_per_request=slots)
+        if max_len is not None:
+            plan["naive_slots_per_request"] = max_len + k
+        w = mem.waste(None if max_len is None else max_len + k, block_size, slots)
+    elif k:
+        plan["num_speculative_tokens"] = k
+    if total_per_token:
+        plan["block_bytes"] = mem.block_bytes(block_size, total_per_token)
     if w:
         plan.update(
             blocks_per_request=w.blocks_per_request,
@@ -104,16 +139,17 @@ def build_plan(
             waste_ratio=None if w.ratio is None else float(w.ratio),
         )
     if per_token and w:
+        # kv_bytes(B, S, ...) = B * S * bytes a token; with a draft the bytes a token are both models'.
         plan.update(
-            kv_bytes_per_request=mem.kv_bytes(1, seq_len, layers, width, dtype),
-            kv_bytes_total=mem.kv_bytes(batch, seq_len, layers, width, dtype),
+            kv_bytes_per_request=slots * total_per_token,
+            kv_bytes_total=batch * slots * total_per_token,
             kv_bytes_reserved_per_request=w.blocks_per_request * plan["block_bytes"],
-            paged_waste_bytes=w.paged_waste_tokens * per_token,
+            paged_waste_bytes=w.paged_waste_tokens * total_per_token,
         )
         if max_len is not None:
             plan.update(
-                naive_bytes_per_request=max_len * per_token,
-                naive_waste_bytes=w.naive_waste_tokens * per_token,
+                naive_bytes_per_request=(max_len + k) * total_per_token,
+                naive_waste_bytes=w.naive_waste_tokens * total_per_token,
             )
     if per_token is None and seq_len is None:
         raise InputError(
@@ -122,8 +158,88 @@ def build_plan(
             param="model",
         )
 
-    _plan_memory(plan, memory, weights, weight_dtype, overhead, num_params)
-    return {k: v for k, v in plan.items() if v is not None}
+    _plan_memory(plan, memory, weights, weight_dtype, overhead, num_params, draft_weights, draft_weight_dtype)
+    return {key: v for key, v in plan.items() if v is not None}
+
+
+def _speculative_tokens(value: int | None) -> int:
+    """k of --num-speculative-tokens (0 when not given); InputError naming the flag when not >= 1."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(
+            f"--num-speculative-tokens must be a whole number >= 1, got {value!r}",
+            param="num_speculative_tokens",
+        )
+    return value
+
+
+def _plan_draft(
+    plan: dict,
+    cfg: ModelConfig | None,
+    name: str | None,
+    path: str | None,
+    dtype: str,
+    target_per_token: int | None,
+) -> int | None:
+    """The draft model's shape and KV bytes a token (in the target's cache dtype), added to `plan`."""
+    if cfg is None:
+        return None
+    if target_per_token is None:
+        raise InputError(
+            "--draft-model shares the target's KV blocks: give the target too "
+            "(--model, or --num-layers with --d-model)",
+            param="draft_model",
+        )
+    per_token = mem.kv_bytes_per_token(cfg.num_layers, cfg.kv_width, dtype)
+    plan.update(
+        draft_model=name,
+        draft_model_path=path,
+        draft_num_params=mem.param_count(cfg),
+        draft_num_layers=cfg.num_layers,
+        draft_num_kv_heads=cfg.num_kv_heads,
+        draft_head_dim=cfg.head_dim,
+        draft_kv_width=cfg.kv_width,
+        draft_kv_bytes_per_token=per_token,
+        total_kv_bytes_per_token=target_per_token + per_token,
+    )
+    return per_token
+
+
+def _draft_weight_bytes(
+    plan: dict,
+    draft_weights: int | str | None,
+    draft_weight_dtype: str | None,
+    target_weight_dtype: str | None,
+    target_weight_bytes: int | None,
+) -> int | None:
+    """The draft's weights: given (--draft-weights), from its parameter count (--draft-weight-dtype, or
+    the target's --weight-dtype when that alone is given), or None when no weights are counted at all."""
+    has_draft = "draft_num_params" in plan
+    for value, flag in ((draft_weights, "draft_weights"), (draft_weight_dtype, "draft_weight_dtype")):
+        if value is not None and not has_draft:
+            raise InputError(f"--{flag.replace('_', '-')} needs --draft-model", param=flag)
+    if not has_draft:
+        return None
+    if draft_weights is not None and draft_weight_dtype is not None:
+        raise InputError("give --draft-weights or --draft-weight-dtype, not both", param="draft_weights")
+    if draft_weights is not None:
+        return _opt_size(draft_weights, "draft_weights")
+    wdtype = draft_weight_dtype if draft_weight_dtype is not None else target_weight_dtype
+    if wdtype is not None:
+        try:
+            wdtype = mem.dtype_name(wdtype)
+        except InputError as e:
+            raise InputError(f"--draft-weight-dtype: {e}", param="draft_weight_dtype") from None
+        plan["draft_weight_dtype"] = wdtype
+        return mem.weight_bytes(plan["draft_num_params"], wdtype)
+    if target_weight_bytes is not None:  # counting the target's weights and not the draft's would mislead
+        raise InputError(
+            "--weights is the target's alone: give the draft's too, with --draft-weights SIZE "
+            "or --draft-weight-dtype DTYPE",
+            param="draft_weights",
+        )
+    return None
 
 
 def _plan_memory(
@@ -133,8 +249,11 @@ def _plan_memory(
     weight_dtype: str | None,
     overhead: int | str | None,
     num_params: int | None,
+    draft_weights: int | str | None = None,
+    draft_weight_dtype: str | None = None,
 ) -> None:
-    """Weights, overhead and, with a memory budget, how many requests fit (added to `plan`)."""
+    """Weights (the target's, plus a draft's), overhead and, with a memory budget, how many requests fit
+    (added to `plan`)."""
     if weights is not None and weight_dtype is not None:
         raise InputError("give --weights or --weight-dtype, not both", param="weights")
     weight_bytes = _opt_size(weights, "weights")
@@ -147,9 +266,14 @@ def _plan_memory(
             )
         weight_bytes = mem.weight_bytes(params, wdtype)
         plan.update(weight_dtype=wdtype, num_params=params)
+    draft_bytes = _draft_weight_bytes(plan, draft_weights, draft_weight_dtype, weight_dtype, weight_bytes)
     overhead_bytes = _opt_size(overhead, "overhead")
     memory_bytes = _opt_size(memory, "memory")
     plan.update(weight_bytes=weight_bytes, overhead_bytes=overhead_bytes)
+    all_weights = weight_bytes
+    if draft_bytes is not None:
+        all_weights = (weight_bytes or 0) + draft_bytes
+        plan.update(draft_weight_bytes=draft_bytes, total_weight_bytes=all_weights)
     if memory_bytes is None:
         return
     per_request = plan.get("kv_bytes_reserved_per_request")
@@ -159,7 +283,7 @@ def _plan_memory(
             "and --seq-len",
             param="memory",
         )
-    cap = mem.capacity(memory_bytes, per_request, weight_bytes or 0, overhead_bytes or 0)
+    cap = mem.capacity(memory_bytes, per_request, all_weights or 0, overhead_bytes or 0)
     plan.update(
         memory_bytes=cap.memory_bytes,
         kv_budget_bytes=cap.kv_budget_bytes,
@@ -167,3 +291,6 @@ def _plan_memory(
         leftover_bytes=cap.leftover_bytes,
         batch_fits=plan["batch"] <= cap.max_concurrent,
     )
+    if "draft_kv_bytes_per_token" in plan:  # the pool the engine makes: each block holds both models' K/V
+        per_model = [plan["kv_bytes_per_token"], plan["draft_kv_bytes_per_token"]]
+        plan["num_blocks"] = mem.num_blocks_for(cap.kv_budget_bytes, plan["block_size"], per_model)

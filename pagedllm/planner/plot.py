@@ -82,6 +82,9 @@ def _draw_memory(ax, plan: dict) -> None:
 
     if plan.get("weight_bytes"):
         seg(plan["weight_bytes"], WEIGHTS, f"weights {format_size(plan['weight_bytes'])}")
+    if plan.get("draft_weight_bytes"):  # a speculative draft model's weights, beside the target's
+        draft = plan["draft_weight_bytes"]
+        seg(draft, WEIGHTS, f"draft weights {format_size(draft)}", hatch="xx")
     if plan.get("overhead_bytes"):
         seg(plan["overhead_bytes"], OVERHEAD, f"overhead {format_size(plan['overhead_bytes'])}")
     users, per = plan["max_concurrent_requests"], plan["kv_bytes_reserved_per_request"]

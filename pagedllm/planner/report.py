@@ -22,6 +22,11 @@ def format_plan(plan: dict) -> str:
     row = "  {:<26}{}".format
     if "model" in plan:
         lines.append(f"model {plan['model']} ({plan['model_path']}): {plan['num_params']:,} parameters")
+    if "draft_num_params" in plan:
+        lines.append(
+            f"draft model {plan['draft_model']} ({plan['draft_model_path']}): {plan['draft_num_params']:,} "
+            "parameters, its own KV in the same blocks"
+        )
     if "kv_bytes_per_token" in plan:
         shape = f"{plan['num_layers']} layers, kv_width {plan['kv_width']}"
         if "num_kv_heads" in plan:
@@ -34,8 +39,29 @@ def format_plan(plan: dict) -> str:
                 f"x {plan['kv_width']} x {plan['bytes_per_element']:g} bytes",
             )
         )
+        if "draft_kv_bytes_per_token" in plan:
+            lines.append(
+                row(
+                    "draft per token",
+                    f"{_size(plan['draft_kv_bytes_per_token'])} = 2 x {plan['draft_num_layers']} layers "
+                    f"x {plan['draft_kv_width']} x {plan['bytes_per_element']:g} bytes",
+                )
+            )
+            lines.append(
+                row(
+                    "target + draft",
+                    f"{_size(plan['total_kv_bytes_per_token'])} a token: every block holds both models' K/V",
+                )
+            )
+        if "num_speculative_tokens" in plan:
+            k = plan["num_speculative_tokens"]
+            per = plan.get("total_kv_bytes_per_token", plan["kv_bytes_per_token"])
+            adds = f"+{_n(k, 'KV slot')} ({k * per:,} bytes) a running request, the positions a step writes"
+            lines.append(row("speculation", f"{_n(k, 'token')} proposed a step: {adds}"))
         if "kv_bytes_per_request" in plan:
             what = _n(plan["seq_len"], "token")
+            if "kv_slots_per_request" in plan:
+                what += f" + {plan['num_speculative_tokens']} speculative slots"
             if plan.get("seq_len_from_model"):
                 what += " (the model's full context; set --seq-len for your requests)"
             lines.append(row("per request", f"{_size(plan['kv_bytes_per_request'])} for {what}"))
@@ -49,7 +75,7 @@ def format_plan(plan: dict) -> str:
             row(
                 "one request",
                 f"{_n(plan['blocks_per_request'], 'block')} = {plan['paged_slots_per_request']} slots for "
-                f"{_n(plan['seq_len'], 'token')}: {plan['paged_waste_tokens']} slots unused "
+                f"{_n(plan['seq_len'], 'token')}{_spec_slots(plan)}: {plan['paged_waste_tokens']} slots unused "
                 f"({plan['last_block_waste_fraction']:.2%} of the last block)",
             )
         )
@@ -62,7 +88,7 @@ def format_plan(plan: dict) -> str:
                 )
             )
         if "naive_waste_tokens" in plan:
-            naive = f"reserves max_len {plan['max_len']} slots: {plan['naive_waste_tokens']} unused"
+            naive = f"reserves max_len {plan['max_len']}{_spec_slots(plan)} slots: {plan['naive_waste_tokens']} unused"
             if "waste_ratio" in plan:
                 naive += f", {plan['waste_ratio']:.1f}x the paged waste"
             lines.append(row("naive layout", naive))
@@ -75,6 +101,7 @@ def format_plan(plan: dict) -> str:
                 else ""
             )
             lines.append(row("weights", _size(plan["weight_bytes"]) + how))
+        lines += _draft_weights(plan, row)
         if "overhead_bytes" in plan:
             lines.append(row("overhead", _size(plan["overhead_bytes"])))
         lines.append(row("KV budget", _size(plan["kv_budget_bytes"])))
@@ -85,6 +112,35 @@ def format_plan(plan: dict) -> str:
             )
         )
         lines.append(row("left idle", _size(plan["leftover_bytes"])))
-    elif "weight_bytes" in plan:
-        lines.append(row("weights", _size(plan["weight_bytes"])))
+        if "num_blocks" in plan:
+            lines.append(
+                row(
+                    "KV blocks",
+                    f"{plan['num_blocks']:,} of {plan['block_bytes']:,} bytes, target and draft K/V in each",
+                )
+            )
+    else:
+        if "weight_bytes" in plan:
+            lines.append(row("weights", _size(plan["weight_bytes"])))
+        lines += _draft_weights(plan, row)
     return "\n".join(lines)
+
+
+def _spec_slots(plan: dict) -> str:
+    """ " + k" after a token count when a speculative step adds k slots to every running request."""
+    return f" + {plan['num_speculative_tokens']}" if "kv_slots_per_request" in plan else ""
+
+
+def _draft_weights(plan: dict, row) -> list[str]:
+    """The draft model's weights and the target + draft total (the weights the budget pays for)."""
+    if "draft_weight_bytes" not in plan:
+        return []
+    how = (
+        f" ({plan['draft_num_params']:,} params in {plan['draft_weight_dtype']})"
+        if "draft_weight_dtype" in plan
+        else ""
+    )
+    return [
+        row("draft weights", _size(plan["draft_weight_bytes"]) + how),
+        row("weights in all", _size(plan["total_weight_bytes"])),
+    ]

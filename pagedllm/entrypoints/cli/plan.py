@@ -29,6 +29,9 @@ examples:
       weights computed from the model's parameter count at half a byte each
   pagedllm plan --seq-len 100 --max-len 2048 --block-size 16 --plot waste.png
       paged blocks vs reserving max_len slots up front, drawn to a PNG
+  pagedllm plan --model path/to/target --draft-model default --num-speculative-tokens 4 \\
+                --weight-dtype fp16 --memory 24GiB --seq-len 2048
+      speculative decoding: the draft's weights and KV (in the same blocks) count against the budget
 
 The KV cache keeps one Key and one Value vector per token and layer:
   kv_bytes = 2 * batch * seq_len * num_layers * kv_width * bytes_per_element
@@ -85,6 +88,26 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="slots a naive cache reserves per request, to compare with paging (default: the model's context)",
     )
     r.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block (default 16)")
+    d = p.add_argument_group(
+        "speculative decoding (a draft model runs beside the target, its KV in the same blocks)"
+    )
+    d.add_argument(
+        "--draft-model",
+        metavar="PATH|default",
+        help="the draft: a Hugging Face folder, a .gguf file or 'default'; its KV and weights count too",
+    )
+    d.add_argument("--draft-weights", metavar="SIZE", help="memory the draft's weights take, e.g. 300MiB")
+    d.add_argument(
+        "--draft-weight-dtype",
+        metavar="DTYPE",
+        help="compute the draft's weights from its parameter count instead (default: --weight-dtype)",
+    )
+    d.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        metavar="N",
+        help="tokens proposed a step: N more KV slots for every running request",
+    )
     g = p.add_argument_group("memory budget")
     g.add_argument(
         "--memory", metavar="SIZE", help="memory of the card, e.g. 80GiB (alone: all of it is for KV)"
@@ -132,6 +155,12 @@ def load_model_config(model: str) -> tuple[ModelConfig, str]:
 def plan_from_args(args: argparse.Namespace) -> dict:
     """The flags, and the config of --model when given, handed to the planner (pagedllm/planner/)."""
     config, path = load_model_config(args.model) if args.model else (None, None)
+    draft_config, draft_path = None, None
+    if args.draft_model:
+        try:
+            draft_config, draft_path = load_model_config(args.draft_model)
+        except InputError as e:
+            raise InputError(f"--draft-model: {e}", param="draft_model") from None
     return planner.build_plan(
         config=config,
         model=args.model,
@@ -150,6 +179,12 @@ def plan_from_args(args: argparse.Namespace) -> dict:
         weights=args.weights,
         weight_dtype=args.weight_dtype,
         overhead=args.overhead,
+        draft_config=draft_config,
+        draft_model=args.draft_model,
+        draft_model_path=draft_path,
+        draft_weights=args.draft_weights,
+        draft_weight_dtype=args.draft_weight_dtype,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
 
 
@@ -164,13 +199,18 @@ def _none_fit(plan: dict) -> str | None:
         return None
     need, budget = plan["kv_bytes_reserved_per_request"], plan["kv_budget_bytes"]
     plan["kv_bytes_missing"] = missing = need - budget
+    spec = plan.get("num_speculative_tokens", 0) if "kv_slots_per_request" in plan else 0
+    with_spec = f" (with its {spec} speculative slots)" if spec else ""
     line = (
-        f"  none fit: one {plan['seq_len']}-token request needs {_bytes(need)} of KV cache, "
+        f"  none fit: one {plan['seq_len']}-token request{with_spec} needs {_bytes(need)} of KV cache, "
         f"{_bytes(missing)} more than the budget"
     )
-    longest = budget // plan["block_bytes"] * plan["block_size"]
-    if longest:
+    slots = budget // plan["block_bytes"] * plan["block_size"]
+    longest = slots - spec  # a running request keeps the speculative slots past its tokens
+    if longest > 0:
         return line + f"; the budget holds one request of up to {longest} tokens (--seq-len {longest})"
+    if slots:
+        return line + f"; its {slots} slots do not hold one token and the {spec} speculative slots"
     return line + f"; it does not hold one block of {plan['block_size']} tokens"
 
 
