@@ -102,13 +102,16 @@ class KVCacheManager:
         total = num_computed + num_new_tokens
         num_table = len(request.block_ids) + len(computed_blocks)
         num_new_blocks = max(0, cdiv(total, self.block_size) - num_table)
-        # Blocks the new tokens land in that someone else also holds (a forked partial block): copy first.
-        # Computed (prefix-cache) blocks are full and lie before num_computed, so they are never written.
+        # Blocks the new tokens land in that someone else also holds (a forked partial block), or that the
+        # prefix cache knows under a hash (a partial block forked from a parent that filled and cached it,
+        # then left): copy first. Computed (prefix-cache) blocks are full and lie before num_computed, so
+        # they are never written.
         first = num_computed // self.block_size
+        blocks = self.block_pool.blocks
         cow = [
             i
             for i in range(first, len(request.block_ids))
-            if self.block_pool.blocks[request.block_ids[i]].ref_cnt > 1
+            if blocks[request.block_ids[i]].ref_cnt > 1 or blocks[request.block_ids[i]].block_hash is not None
         ]
         # A cached block sitting in the free queue leaves it when we take it: it costs a free block too.
         num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
@@ -150,9 +153,20 @@ class KVCacheManager:
             request.block_ids.extend(b.block_id for b in pool.get_new_blocks(num_new_blocks))
         # Registered now, not after the forward, so a request admitted later in this same step already
         # shares these blocks (as in vLLM): it sits later in the batch, and each layer writes the
-        # batch's KV before attention reads it.
-        self.cache_blocks(request, total)
+        # batch's KV before attention reads it. Draft tokens are not the request's tokens yet: only
+        # blocks full of known tokens are hashed.
+        self.cache_blocks(request, min(total, request.num_tokens))
         return True
+
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks past the first num_tokens tokens: after a verification, those that held
+        only rejected draft tokens. They were never hashed (cache_blocks stops at known tokens)."""
+        keep = cdiv(num_tokens, self.block_size)
+        if len(request.block_ids) <= keep:
+            return
+        tail = request.block_ids[keep:]
+        del request.block_ids[keep:]
+        self.block_pool.free_blocks(self.block_pool.blocks[i] for i in reversed(tail))
 
     def cache_blocks(self, request: Request, num_tokens: int | None = None) -> None:
         """Register the request's blocks that are full within its first num_tokens tokens
