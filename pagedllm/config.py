@@ -44,3 +44,73 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16  # verify rows per request a step; beyond this acceptance decays to nothing
+
+
+@dataclass
+class SpeculativeConfig:
+    """--speculative-config, with vLLM's field names. ngram proposes from the request's own tokens (prompt
+    lookup); draft_model runs a second, smaller model with the same vocabulary (`model`, `quantization`)."""
+
+    method: str
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2  # ngram: shortest suffix of the sequence searched for earlier in it
+    prompt_lookup_max: int = 5  # ngram: longest, tried first
+    model: str | None = None  # draft_model: a GGUF file, a safetensors folder or 'default'
+    quantization: str | None = "auto"  # draft_model: as --quantization, for the draft
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """From a dict or its JSON text (the CLI flag); InputError naming the field on anything wrong,
+        an unknown field included (refused, never ignored)."""
+        import json
+        from dataclasses import fields
+
+        from pagedllm.errors import InputError
+
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise InputError(f"speculative_config is not JSON: {e}", "speculative_config") from e
+        if not isinstance(value, dict):
+            raise InputError("speculative_config must be a JSON object", "speculative_config")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise InputError(
+                f"speculative_config has unknown field {unknown[0]!r} (known: {', '.join(sorted(known))})",
+                f"speculative_config.{unknown[0]}",
+            )
+        value = dict(value)
+        if "method" not in value:  # vLLM infers the method from a draft model's presence
+            value["method"] = "draft_model" if value.get("model") else None
+        config = cls(**value)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        from pagedllm.errors import InputError
+
+        def bad(field: str, message: str) -> InputError:
+            return InputError(f"speculative_config.{field} {message}", f"speculative_config.{field}")
+
+        if self.method not in SPECULATIVE_METHODS:
+            raise bad("method", f"must be one of {', '.join(SPECULATIVE_METHODS)}; got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise bad(name, f"must be an integer of at least 1; got {v!r}")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise bad("num_speculative_tokens", f"must be at most {MAX_SPECULATIVE_TOKENS}")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise bad("prompt_lookup_max", f"must be at least prompt_lookup_min ({self.prompt_lookup_min})")
+        if self.method == "draft_model" and not self.model:
+            raise bad("model", "is required for method draft_model (a GGUF file, a folder or 'default')")
+        if self.method == "ngram" and self.model:
+            raise bad("model", "is for method draft_model; ngram proposes from the request's own tokens")

@@ -62,6 +62,27 @@ class _EngineStatsCollector(Collector):
         ]
         for name, doc, attr in counters:
             yield CounterMetricFamily(PREFIX + name, doc, value=value(attr))
+        yield from _spec_decode_metrics(getattr(stats, "spec_decode", None))
+
+
+def _spec_decode_metrics(spec: Any) -> Iterator[Metric]:
+    """vLLM's speculative-decoding counters; absent while speculation is off (as in vLLM)."""
+    if spec is None:
+        return
+    for name, doc in (
+        ("spec_decode_num_drafts", "Verify steps of a request with draft tokens."),
+        ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
+        ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+    ):
+        yield CounterMetricFamily(PREFIX + name, doc, value=getattr(spec, name.removeprefix("spec_decode_")))
+    per_pos = CounterMetricFamily(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft (0 = the first guess).",
+        labels=["position"],
+    )
+    for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+        per_pos.add_metric([str(pos)], n)
+    yield per_pos
 
 
 class ServerMetrics:

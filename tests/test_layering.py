@@ -23,6 +23,7 @@ LAYERS: list[set[str]] = [
     {"pagedllm.entrypoints.openai", "pagedllm.bench"},  # the HTTP server; benchmarks the CLI runs
     {"pagedllm.entrypoints"},  # the offline LLM class, engine_args.py
     {"pagedllm.engine"},  # LLMEngine, AsyncEngine, detokenizer
+    {"pagedllm.spec_decode"},  # draft-token proposers (a draft model runs its own runner and KV manager)
     # scheduler + KV cache; model runner; perplexity; grammars for structured outputs
     {"pagedllm.core", "pagedllm.worker", "pagedllm.eval", "pagedllm.structured_output"},
     {"pagedllm.model"},  # the decoder, its builder and fusions

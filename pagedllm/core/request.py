@@ -53,6 +53,9 @@ class Request:
     # A StructuredOutputRequest (pagedllm.structured_output) when the output is constrained: the request is
     # scheduled once its grammar is compiled (is_ready), and its matcher follows output_token_ids.
     structured_output: Any = None
+    # Draft tokens proposed for the next step (speculative decoding); the scheduler schedules them after
+    # the last known token, and the step's verification decides which of them join output_token_ids.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -1,8 +1,9 @@
 """Scheduler: each step picks which requests run and how many tokens each feeds (vLLM v1 policy).
 
-One token budget per step is shared by decodes (1 token each) and prefill chunks, running requests
-first. When blocks run out, the newest running request is preempted (its KV dropped; it later
-recomputes prompt + output so far). Waiting requests are then admitted first come, first served.
+One token budget per step is shared by decodes (1 token each, or 1 + its draft tokens when it
+speculates) and prefill chunks, running requests first. When blocks run out, a request's draft tokens
+go first; then the newest running request is preempted (its KV dropped; it later recomputes prompt +
+output so far). Waiting requests are then admitted first come, first served.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]]  # (src, dst) block ids, to copy before the forward
     preempted_request_ids: list[str]
     total_num_scheduled_tokens: int
+    # request id -> the draft tokens it verifies this step (fed after its last known token)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -110,7 +113,17 @@ class Scheduler:
         return request.num_prompt_tokens - 1
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        """Tokens to feed: the uncomputed ones, then its draft tokens, as far as the budget goes (drafts
+        that do not fit are dropped)."""
+        uncomputed = request.num_tokens - request.num_computed_tokens
+        spec = request.spec_token_ids
+        if spec:
+            # drafts follow the last known token only, and never run past the context
+            room = self.scheduler_config.max_model_len - request.num_tokens
+            del spec[max(0, room) if uncomputed == 1 else 0 :]
+        num_new = min(uncomputed + len(spec), budget)
+        if spec:
+            del spec[max(0, num_new - 1) :]
         limit = self._fork_limit(request)
         if limit is not None and request.num_computed_tokens < limit:
             num_new = min(num_new, limit - request.num_computed_tokens)
@@ -143,6 +156,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -161,6 +175,7 @@ class Scheduler:
         scheduled: list[Request] = []
         num_scheduled: dict[str, int] = {}
         preempted: list[str] = []
+        spec: dict[str, list[int]] = {}
 
         # 1. Running requests, oldest first, so the newest (the preemption victim) is always at the end
         #    and never one already scheduled this step.
@@ -173,6 +188,10 @@ class Scheduler:
                 i += 1
                 continue
             while not kv.allocate_slots(request, num_new):
+                if request.spec_token_ids:  # drafts are a guess: drop them before preempting anyone
+                    num_new -= len(request.spec_token_ids)
+                    request.spec_token_ids = []
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -182,6 +201,8 @@ class Scheduler:
                 break
             scheduled.append(request)
             num_scheduled[request.request_id] = num_new
+            if request.spec_token_ids:
+                spec[request.request_id] = list(request.spec_token_ids)
             budget -= num_new
             i += 1
 
@@ -230,28 +251,52 @@ class Scheduler:
             blocks_to_copy=kv.take_blocks_to_copy(),
             preempted_request_ids=preempted,
             total_num_scheduled_tokens=total,
+            scheduled_spec_decode_tokens={r: t for r, t in spec.items() if r not in preempted},
         )
 
     # -- results ---------------------------------------------------------------------------------
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled ones, finish and free what stopped. Returns those."""
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled: dict[str, list[int]] | dict[str, int]
+    ) -> list[Request]:
+        """Advance computed tokens, append sampled ones, finish and free what stopped. Returns those.
+
+        sampled: per request the tokens of this step, in order (a verified run: accepted drafts, then the
+        target's own token; or one int). Stops (EOS, stop tokens, max_tokens) are checked token by token:
+        the tokens after a stop are dropped, from `sampled` too, so the caller sees what was kept."""
         finished: list[Request] = []
+        spec = scheduler_output.scheduled_spec_decode_tokens
         for request in scheduler_output.scheduled_requests:
+            rid = request.request_id
             if request.status != RequestStatus.RUNNING:  # aborted while the step ran
                 continue
-            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[request.request_id]
-            if request.num_computed_tokens < request.num_tokens or request.request_id not in sampled:
+            num_new = scheduler_output.num_scheduled_tokens[rid]
+            tokens = sampled.get(rid)
+            if isinstance(tokens, int):
+                tokens = sampled[rid] = [tokens]
+            num_drafts = len(spec.get(rid, ()))
+            request.spec_token_ids = []
+            if num_drafts:  # KV holds the last token and the accepted drafts; rejected ones are garbage
+                num_new -= num_drafts - (len(tokens) - 1)
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens < request.num_tokens or not tokens:
                 continue  # a prefill chunk: no token yet
-            request.output_token_ids.append(sampled[request.request_id])
             if request.first_token_time is None:
                 request.first_token_time = time.time()
-            status = self._check_stop(request)
+            status = None
+            for n, token in enumerate(tokens, start=1):
+                request.output_token_ids.append(token)
+                status = self._check_stop(request)
+                if status is not None:
+                    del tokens[n:]
+                    break
             if status is not None:
                 request.status = status
                 self.running.remove(request)
                 self._free_finished(request)
                 finished.append(request)
+            elif num_drafts:
+                self.kv_cache_manager.free_tail(request, request.num_tokens)
         return finished
 
     def _check_stop(self, request: Request) -> RequestStatus | None:

@@ -16,7 +16,7 @@ import torch
 
 from pagedllm import ops, planner, platform
 from pagedllm.attention.kv_quant import KV_QUANT_DTYPES, kv_cache_bytes_per_token, resolve_kv_cache_dtype
-from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
@@ -27,6 +27,9 @@ from pagedllm.model.loader import resolve_model_path
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.spec_decode import SpecDecodingStats
+from pagedllm.spec_decode.draft_model import DraftModelProposer, load_draft_model, resolve_draft_model
+from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.units import format_size, parse_size
 from pagedllm.worker.model_runner import ModelRunner
@@ -72,6 +75,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    spec_decode: SpecDecodingStats | None = None  # None when speculation is off
 
     @property
     def num_blocks_in_use(self) -> int:
@@ -112,6 +116,7 @@ class LLMEngine:
         quantization: str | None = "auto",
         seed: int = 0,
         show_progress: bool = True,
+        speculative_config: SpeculativeConfig | dict | str | None = None,
     ):
         # check every option before the (slow) model load, so a typo fails at once
         for name, value in (
@@ -127,6 +132,9 @@ class LLMEngine:
         kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         if kv_cache_memory is not None:
             parse_size(kv_cache_memory, param="kv_cache_memory")
+        self.speculative_config = SpeculativeConfig.parse(speculative_config)
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            resolve_draft_model(self.speculative_config)
         torch.manual_seed(seed)
         path = resolve_model_path(model)
         self.model_path = path
@@ -136,20 +144,25 @@ class LLMEngine:
         fuse_for_inference(self.model)
         cfg = self.model_config
         self.tokenizer = Tokenizer.from_checkpoint(path)
+        spec = self.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = load_draft_model(spec, self.dtype, self.tokenizer, show_progress)
 
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        if kv_dtype in KV_QUANT_DTYPES:  # codes plus their per-token, per-head scales
-            per_token = kv_cache_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
-        else:
-            per_token = planner.kv_bytes_per_token(cfg.num_layers, cfg.kv_width, TORCH_TO_PLANNER[kv_dtype])
+        per_token = self._kv_bytes_per_token(cfg, kv_dtype)
         self.kv_bytes_per_token = per_token
-        block_bytes = planner.block_bytes(block_size, per_token)
+        # a draft model's KV sits beside the target's, block for block: each block costs both
+        per_tokens = (
+            [per_token] if draft is None else [per_token, self._kv_bytes_per_token(draft[1], kv_dtype)]
+        )
+        block_bytes = planner.block_bytes(block_size, sum(per_tokens))
         if num_kv_blocks is None:
             memory = parse_size(
                 kv_cache_memory if kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY,
                 param="kv_cache_memory",
             )
-            num_kv_blocks = memory // block_bytes
+            num_kv_blocks = planner.num_blocks_for(memory, block_size, per_tokens)
         if num_kv_blocks < 1:
             raise InputError(
                 "KV cache holds no block: raise kv_cache_memory or num_kv_blocks", param="num_kv_blocks"
@@ -166,6 +179,16 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
         self.runner = ModelRunner(self.model, cfg, self.cache_config, self.dtype)
+        self.proposer = None
+        self.spec_decoding_stats: SpecDecodingStats | None = None
+        if spec is not None:
+            if spec.method == "ngram":
+                self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            else:
+                self.proposer = DraftModelProposer(*draft, self.cache_config, self.dtype)
+            self.spec_decoding_stats = SpecDecodingStats(
+                num_accepted_tokens_per_pos=[0] * spec.num_speculative_tokens
+            )
         tokens = num_kv_blocks * block_size
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%s); max concurrency at %d tokens: %.2f x",
@@ -183,6 +206,12 @@ class LLMEngine:
         self._pending_grammars: dict[str, Request] = {}  # child id -> request whose grammar still compiles
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}
+
+    @staticmethod
+    def _kv_bytes_per_token(cfg, kv_dtype) -> int:
+        if kv_dtype in KV_QUANT_DTYPES:  # codes plus their per-token, per-head scales
+            return kv_cache_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        return planner.kv_bytes_per_token(cfg.num_layers, cfg.kv_width, TORCH_TO_PLANNER[kv_dtype])
 
     # ---- requests in ------------------------------------------------------------------------------
     def add_request(
@@ -277,6 +306,8 @@ class LLMEngine:
             for cid in ids:
                 self._child_to_group.pop(cid, None)
                 self._pending_grammars.pop(cid, None)
+            if self.proposer is not None:
+                self.proposer.remove(ids)
 
     def warm_up(self) -> None:
         """One short prompt through both kinds of step (a prefill, then a decode), so that the first real
@@ -299,6 +330,8 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         failed = self._check_grammars()
+        if self.proposer is not None:
+            self._propose()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty and self._pending_grammars:
             # nothing to run but grammars being compiled: wait for one instead of spinning
@@ -312,10 +345,16 @@ class LLMEngine:
         sampled = runner_out.sampled
         for rid, part in runner_out.prompt_logprobs.items():
             self._add_prompt_logprobs(rid, part)
-        self.scheduler.update_from_output(sched_out, {rid: s.token_id for rid, s in sampled.items()})
+        if self.spec_decoding_stats is not None:
+            for rid, drafts in sched_out.scheduled_spec_decode_tokens.items():
+                if rid in sampled:
+                    self.spec_decoding_stats.observe(len(drafts), len(sampled[rid]) - 1)
+        # the scheduler keeps each run's tokens up to a stop (EOS, stop token, max_tokens) and cuts `kept`
+        kept = {rid: [s.token_id for s in run] for rid, run in sampled.items()}
+        self.scheduler.update_from_output(sched_out, kept)
         now = time.time()
         touched: dict[str, _Group] = {g.request_id: g for g in failed}
-        for rid, s in sampled.items():
+        for rid, run in sampled.items():
             group = self._child_to_group.get(rid)
             if group is None:
                 continue
@@ -323,24 +362,9 @@ class LLMEngine:
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
             i = int(rid.rsplit("#", 1)[1]) if group.params.n > 1 else 0
-            req = group.children[i]
-            if group.logprobs[i] is not None:
-                group.logprobs[i].append(self._logprob_dict(s))
-                group.cumulative_logprob[i] += s.logprob
-            stop = group.detokenizers[i].update([s.token_id])
-            grammar = req.structured_output
-            if grammar is not None and not req.is_finished and not grammar.accept_token(s.token_id):
-                logger.warning(
-                    "request %s: token %d is outside its grammar: %s", rid, s.token_id, grammar.error
-                )
-            if stop is not None and not req.is_finished:
-                group.stop_reasons[i] = stop
-                self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
-            elif grammar is not None and grammar.is_terminated and not req.is_finished:
-                # the grammar ended (its text is complete): stop as at EOS, even under ignore_eos
-                self.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
-            elif req.is_finished and req.stop_reason is not None:
-                group.stop_reasons[i] = req.stop_reason
+            self._take_tokens(group, i, run[: len(kept[rid])])
+        if self.proposer is not None:
+            self.proposer.retain(self.scheduler.requests)  # a finished request's draft state goes now
         outputs = []
         for group in touched.values():
             finished = all(c.is_finished for c in group.children)
@@ -354,6 +378,76 @@ class LLMEngine:
                 continue  # nobody reads it: 32 outputs a step cost a W32 decode step ~0.3 ms
             outputs.append(self._make_output(group, finished))
         return outputs
+
+    def _take_tokens(self, group: _Group, i: int, run: list) -> None:
+        """Child i's tokens of this step, one by one: logprobs, text, stop strings, grammar. A stop string
+        or the grammar's end inside a verified run finishes the request there: the run's later tokens are
+        taken back out of its output."""
+        req = group.children[i]
+        for n, s in enumerate(run, start=1):
+            # a request the scheduler finished (EOS, max_tokens) finished at the run's last token
+            live = not req.is_finished or n < len(run)
+            if group.logprobs[i] is not None:
+                group.logprobs[i].append(self._logprob_dict(s))
+                group.cumulative_logprob[i] += s.logprob
+            stop = group.detokenizers[i].update([s.token_id])
+            grammar = req.structured_output
+            if grammar is not None and live and not grammar.accept_token(s.token_id):
+                logger.warning(
+                    "request %s: token %d is outside its grammar: %s",
+                    req.request_id,
+                    s.token_id,
+                    grammar.error,
+                )
+            ended = False
+            if stop is not None and live:
+                group.stop_reasons[i] = stop
+                ended = True
+            elif grammar is not None and grammar.is_terminated and live:
+                ended = (
+                    True  # the grammar ended (its text is complete): stop as at EOS, even under ignore_eos
+                )
+            elif req.is_finished and req.stop_reason is not None:
+                group.stop_reasons[i] = req.stop_reason
+            if ended:
+                if n < len(run):
+                    del req.output_token_ids[n - len(run) :]
+                if req.is_finished:  # by a stop the scheduler saw later in the run: this one came first
+                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
+                else:
+                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                return
+
+    def _propose(self) -> None:
+        """Draft tokens for every running request that has caught up with its tokens (decoding), as many
+        as its max_tokens and the context leave room for; set on request.spec_token_ids for the scheduler."""
+        spec = self.speculative_config
+        limit = (
+            self.max_model_len
+            if self.proposer.max_len is None
+            else min(self.max_model_len, self.proposer.max_len)
+        )
+        wants: dict[str, int] = {}
+        decoding = []
+        for req in self.scheduler.running:
+            if req.num_computed_tokens != req.num_tokens - 1 or req.is_finished:
+                continue
+            if req.structured_output is not None and req.structured_output.matcher is None:
+                continue
+            k = spec.num_speculative_tokens
+            max_tokens = req.sampling_params.max_tokens
+            if max_tokens is not None:
+                k = min(k, max_tokens - req.num_output_tokens - 1)
+            k = min(k, limit - req.num_tokens)
+            if k > 0:
+                wants[req.request_id] = k
+                decoding.append(req)
+        proposals = self.proposer.propose(decoding, wants)
+        for req in decoding:
+            drafts = proposals.get(req.request_id, [])[: wants[req.request_id]]
+            if drafts and req.structured_output is not None:
+                drafts = self.structured_output.validate_drafts(req, drafts)
+            req.spec_token_ids = drafts
 
     def _check_grammars(self) -> list[_Group]:
         """Drop compiled grammars from the pending set; a request whose grammar failed to compile is
@@ -375,15 +469,20 @@ class LLMEngine:
     def _grammar_bitmask(self, sched_out) -> tuple[list[str], torch.Tensor] | None:
         """The token bitmasks of the constrained requests that sample this step (their last scheduled
         position is their last known token), or None."""
+        spec = sched_out.scheduled_spec_decode_tokens
         constrained = [
             r
             for r in sched_out.scheduled_requests
             if r.structured_output is not None
-            and r.num_computed_tokens + sched_out.num_scheduled_tokens[r.request_id] == r.num_tokens
+            and r.num_computed_tokens + sched_out.num_scheduled_tokens[r.request_id]
+            == r.num_tokens + len(spec.get(r.request_id, ()))
         ]
         if not constrained:
             return None
-        return [r.request_id for r in constrained], self.structured_output.grammar_bitmask(constrained)
+        drafts = [spec.get(r.request_id, []) for r in constrained] if spec else None
+        return [r.request_id for r in constrained], self.structured_output.grammar_bitmask(
+            constrained, drafts
+        )
 
     def _add_prompt_logprobs(self, child_id: str, part) -> None:
         """Append a step's prompt logprobs to the group's; positions already there (a recompute after
@@ -456,4 +555,5 @@ class LLMEngine:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
+            spec_decode=self.spec_decoding_stats.copy() if self.spec_decoding_stats is not None else None,
         )

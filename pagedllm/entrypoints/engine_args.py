@@ -178,6 +178,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="KV cache element type: auto, bf16, fp16, fp32, or int8 / fp8 (quantized, per-token scales)",
     )
     add_quantization_arg(g)
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s fields: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5} (prompt lookup) or {"method": "draft_model", '
+        '"model": PATH, "quantization": NAME, "num_speculative_tokens": 4} (a smaller model with the same '
+        "vocabulary); greedy outputs stay the same token for token, sampled ones keep their distribution "
+        "(default: off)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -194,4 +204,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
+        speculative_config=args.speculative_config,
     )

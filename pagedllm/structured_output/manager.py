@@ -133,16 +133,36 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------------ each step (engine thread)
 
-    def grammar_bitmask(self, requests: Sequence[Any]) -> torch.Tensor:
-        """[len(requests), bitmask_width] int32, row i the tokens requests[i].structured_output allows next."""
-        bitmask = torch.full((len(requests), self.bitmask_width), -1, dtype=torch.int32)
+    def grammar_bitmask(
+        self, requests: Sequence[Any], drafts: Sequence[Sequence[int]] | None = None
+    ) -> torch.Tensor:
+        """[rows, bitmask_width] int32: row i the tokens requests[i].structured_output allows next; with
+        drafts (speculative decoding), 1 + len(drafts[i]) rows for request i in a row, the j-th once the
+        matcher has taken drafts[i][:j] (llguidance advances and rolls back). Drafts must be valid for the
+        grammar (validate_drafts)."""
+        num_rows = len(requests) + (sum(len(d) for d in drafts) if drafts else 0)
+        bitmask = torch.full((num_rows, self.bitmask_width), -1, dtype=torch.int32)
         if self._fill_executor is None:
             self._fill_executor = llguidance.LLExecutor()
-        matchers = [(r.structured_output.matcher, i) for i, r in enumerate(requests)]
-        self._fill_executor.unsafe_compute_mask_ptr(
-            matchers, bitmask.data_ptr(), self.bitmask_width * 4, len(requests)
+        if not drafts or not any(drafts):
+            matchers = [(r.structured_output.matcher, i) for i, r in enumerate(requests)]
+            self._fill_executor.unsafe_compute_mask_ptr(
+                matchers, bitmask.data_ptr(), self.bitmask_width * 4, num_rows
+            )
+            return bitmask
+        items, at = [], 0
+        for r, d in zip(requests, drafts):
+            items.append((r.structured_output.matcher, at, list(d)))
+            at += 1 + len(d)
+        self._fill_executor.unsafe_compute_mask_ptr_with_draft_token(
+            items, bitmask.data_ptr(), self.bitmask_width * 4, num_rows
         )
         return bitmask
+
+    @staticmethod
+    def validate_drafts(request: Any, drafts: list[int]) -> list[int]:
+        """The leading drafts the request's grammar allows (a draft past them could never be accepted)."""
+        return drafts[: request.structured_output.matcher.validate_tokens(drafts)]
 
     def shutdown(self) -> None:
         if self._compile_thread is not None:

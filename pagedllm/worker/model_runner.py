@@ -16,7 +16,8 @@ from pagedllm.attention.kv_quant import QuantizedKVCache, resolve_kv_cache_dtype
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import CacheConfig, ModelConfig
 from pagedllm.worker.prompt_logprobs import PromptLogprobs, PromptLogprobsSpan, compute_prompt_logprobs
-from pagedllm.worker.sampler import argmax_kernel, sample_requests
+from pagedllm.worker.rejection_sampler import rejection_sample
+from pagedllm.worker.sampler import SamplingBatch, argmax_kernel, greedy, is_plain_greedy, sample_requests
 
 
 @dataclass
@@ -29,13 +30,24 @@ class SampledToken:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, SampledToken]  # request id -> its next token (the requests that sampled)
+    # request id -> its tokens of this step (the requests that sampled): one, or a verified run of drafts
+    sampled: dict[str, list[SampledToken]]
     prompt_logprobs: dict[str, PromptLogprobs]  # request id -> this step's part of its prompt logprobs
 
 
 class ModelRunner:
-    def __init__(self, model, model_config: ModelConfig, cache_config: CacheConfig, dtype: torch.dtype):
+    def __init__(
+        self,
+        model,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        dtype: torch.dtype,
+        max_decode_rows_chunk: int = 0,
+    ):
+        """max_decode_rows_chunk: a chunk of 2..this many tokens after cached ones, its request's last, runs
+        as decode rows (the draft model's catch-up of one or two tokens a step); 0 = never."""
         self.model = model
+        self.max_decode_rows_chunk = max_decode_rows_chunk
         argmax_kernel()  # the greedy kernel, built (once a machine) now rather than in the first request's step
         self.config = model_config
         self.block_size = cache_config.block_size
@@ -63,10 +75,30 @@ class ModelRunner:
             else:
                 cache[:, dst] = cache[:, src]
 
-    def prepare_inputs(self, requests: list, num_new: dict[str, int]):
+    def prepare_inputs(
+        self, requests: list, num_new: dict[str, int], spec: dict[str, list[int]] | None = None
+    ):
+        """The flat batch. A request verifying draft tokens (spec) feeds its last token and the drafts as
+        that many decode rows over its one block table, row j seeing positions 0..start + j: each layer
+        writes the whole step's K/V before attending, so the decode kernels (and the fused stack) attend a
+        row to the drafts before it without a per-sequence path."""
         bs = self.block_size
-        # decodes (one new token) first: the attention backend attends them in one call
-        order = sorted(requests, key=lambda r: num_new[r.request_id] != 1)
+        spec = spec or {}
+
+        def as_decode_rows(req) -> bool:
+            if req.request_id in spec:
+                return True
+            n, start = num_new[req.request_id], req.num_computed_tokens
+            return (
+                1 < n <= self.max_decode_rows_chunk
+                and start > 0
+                and start + n == req.num_tokens
+                and req.sampling_params.prompt_logprobs is None
+            )
+
+        rows_of = {r.request_id for r in requests if as_decode_rows(r)}
+        # decodes (one new token) and decode rows first: the attention backend attends them in one call
+        order = sorted(requests, key=lambda r: num_new[r.request_id] != 1 and r.request_id not in rows_of)
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -76,9 +108,31 @@ class ModelRunner:
         sample_rows: list[int] = []  # index into the flat batch of each sampling row's last token
         sampling_requests = []
         prompt_spans: list[PromptLogprobsSpan] = []
+        num_decodes = 0
         for req in order:
             n, start = num_new[req.request_id], req.num_computed_tokens
             end = start + n
+            table = req.block_ids
+            if req.request_id in rows_of:
+                drafts = spec.get(req.request_id)
+                if drafts:  # the last known token, then the drafts: every row samples
+                    input_ids.extend(req.token_ids_slice(start, start + 1))
+                    input_ids.extend(drafts)
+                    first_sampling = start
+                else:  # a short chunk: its last row samples
+                    input_ids.extend(req.token_ids_slice(start, end))
+                    first_sampling = end - 1
+                for p in range(start, end):
+                    if p >= first_sampling:
+                        sample_rows.append(query_start_loc[-1])
+                    positions.append(p)
+                    slot_mapping.append(table[p // bs] * bs + p % bs)
+                    query_start_loc.append(query_start_loc[-1] + 1)
+                    seq_lens.append(p + 1)
+                    tables.append(table)
+                num_decodes += n
+                sampling_requests.append(req)
+                continue
             num_top = req.sampling_params.prompt_logprobs
             last = min(end, req.num_prompt_tokens - 1)  # rows before it predict prompt tokens
             if num_top is not None and start < last:
@@ -87,11 +141,11 @@ class ModelRunner:
                 )
             input_ids.extend(req.token_ids_slice(start, end))
             positions.extend(range(start, end))
-            table = req.block_ids
             slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(end)
             tables.append(table)
+            num_decodes += n == 1
             if end == req.num_tokens:  # caught up with every known token: this row samples the next one
                 sample_rows.append(query_start_loc[-1] - 1)
                 sampling_requests.append(req)
@@ -104,7 +158,7 @@ class ModelRunner:
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_tables=torch.from_numpy(block_tables),
-            num_decodes=sum(1 for r in order if num_new[r.request_id] == 1),
+            num_decodes=num_decodes,
             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long),
             block_size=bs,
         )
@@ -116,14 +170,16 @@ class ModelRunner:
     def execute_model(
         self, scheduler_output, grammar_bitmask: tuple[list[str], torch.Tensor] | None = None
     ) -> ModelRunnerOutput:
-        """grammar_bitmask: (request ids, their token bitmasks, one row each) for the requests whose next
-        token a grammar constrains (structured outputs)."""
+        """grammar_bitmask: (request ids, their token bitmasks) for the requests whose next token a grammar
+        constrains (structured outputs): one row each, or for a request verifying k drafts k + 1 rows in
+        a row (one per position, the matcher advanced over the drafts before it)."""
         self.copy_blocks(scheduler_output.blocks_to_copy)
         requests = scheduler_output.scheduled_requests
         if not requests:
             return ModelRunnerOutput({}, {})
+        spec = scheduler_output.scheduled_spec_decode_tokens
         ids, pos, meta, sample_rows, sampling_requests, prompt_spans = self.prepare_inputs(
-            requests, scheduler_output.num_scheduled_tokens
+            requests, scheduler_output.num_scheduled_tokens, spec
         )
         hidden = self.model(ids, pos, self.kv_caches, meta)
         prompt_logprobs = {}
@@ -135,6 +191,10 @@ class ModelRunner:
         if len(sample_rows) < hidden.shape[0]:  # a pure decode step samples every row, in order
             hidden = hidden[sample_rows]
         logits = self.model.compute_logits(hidden, upcast=False)
+        if spec:
+            return ModelRunnerOutput(
+                self._verify(logits, sampling_requests, spec, grammar_bitmask), prompt_logprobs
+            )
         token_bitmask = None
         if grammar_bitmask is not None:
             mask_row = {rid: i for i, rid in enumerate(grammar_bitmask[0])}
@@ -144,10 +204,71 @@ class ModelRunner:
         out = sample_requests(logits, sampling_requests, token_bitmask)
         result = {}
         for i, req in enumerate(sampling_requests):
-            result[req.request_id] = SampledToken(
-                token_id=out.token_ids[i],
-                logprob=out.sampled_logprobs[i],
-                rank=out.sampled_ranks[i] if out.sampled_ranks else None,
-                top_logprobs=out.logprobs[i],
-            )
+            result[req.request_id] = [
+                SampledToken(
+                    token_id=out.token_ids[i],
+                    logprob=out.sampled_logprobs[i],
+                    rank=out.sampled_ranks[i] if out.sampled_ranks else None,
+                    top_logprobs=out.logprobs[i],
+                )
+            ]
         return ModelRunnerOutput(result, prompt_logprobs)
+
+    def _verify(
+        self,
+        logits: torch.Tensor,
+        requests: list,
+        spec: dict[str, list[int]],
+        grammar_bitmask: tuple[list[str], torch.Tensor] | None,
+    ) -> dict[str, list[SampledToken]]:
+        """Rejection-sample a step where some requests verify drafts: one sampling row per position, each
+        seeing the request's output extended by the drafts before it."""
+        if grammar_bitmask is None and all(
+            is_plain_greedy(r.sampling_params, r.num_output_tokens + len(spec.get(r.request_id, ())))
+            for r in requests
+        ):  # the argmax of every row, without building a SamplingBatch
+            argmax = greedy(logits).tolist()
+            out, first = {}, 0
+            for req in requests:
+                drafts = spec.get(req.request_id, [])
+                n = 0
+                while n < len(drafts) and argmax[first + n] == drafts[n]:
+                    n += 1
+                out[req.request_id] = [SampledToken(t) for t in drafts[:n] + [argmax[first + n]]]
+                first += len(drafts) + 1
+            return out
+        rows, spans = [], []
+        for req in requests:
+            drafts = spec.get(req.request_id, [])
+            spans.append((len(rows), drafts))
+            out_ids = req.output_token_ids
+            for j in range(len(drafts) + 1):
+                history = out_ids + drafts[:j] if j else out_ids
+                rows.append(
+                    (req.sampling_params, req.prompt_token_ids, history, req.generator, req.eos_token_ids)
+                )
+        token_bitmask = None
+        if grammar_bitmask is not None:
+            first_mask = {}
+            at = 0
+            for rid in grammar_bitmask[0]:
+                first_mask[rid] = at
+                at += len(spec.get(rid, ())) + 1
+            mask_rows, masks = [], []
+            for req, (first, drafts) in zip(requests, spans):
+                if req.request_id in first_mask:
+                    mask_rows.extend(range(first, first + len(drafts) + 1))
+                    masks.extend(
+                        range(first_mask[req.request_id], first_mask[req.request_id] + len(drafts) + 1)
+                    )
+            if mask_rows:
+                token_bitmask = (mask_rows, grammar_bitmask[1][masks])
+        batch = SamplingBatch.from_rows(rows, logits.shape[-1], token_bitmask=token_bitmask)
+        runs = rejection_sample(logits, batch, spans, [r.generator for r in requests])
+        return {
+            req.request_id: [
+                SampledToken(t, run.sampled_logprobs[i], run.sampled_ranks[i], run.logprobs[i])
+                for i, t in enumerate(run.token_ids)
+            ]
+            for req, run in zip(requests, runs)
+        }

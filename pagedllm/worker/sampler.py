@@ -261,15 +261,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     changes no value and no order); everything else works on float32."""
     if batch.plain_greedy:
         return _greedy_output(logits)
-    logits = logits.float()
-    if batch.token_bitmask is not None:
-        logits = apply_token_bitmask(logits, batch.bitmask_rows, batch.token_bitmask)
-    raw_logprobs = None
-    if batch.max_num_logprobs is not None:
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-
-    logits = apply_logit_edits(logits, batch)
-    logits = apply_penalties(logits, batch)
+    logits, raw_logprobs = process_logits(logits, batch)
 
     if batch.all_greedy:
         sampled = greedy(logits)
@@ -284,7 +276,20 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if raw_logprobs is None:
         B = batch.num_rows
         return SamplerOutput(token_ids, [None] * B, [None] * B, [None] * B)
-    return _gather_logprobs(raw_logprobs, sampled, token_ids, batch)
+    return gather_logprobs(raw_logprobs, sampled, token_ids, batch)
+
+
+def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float32 logits after the grammar bitmask, logit_bias, min_tokens and the penalties; and the
+    log-softmax taken after the bitmask (the logprobs a row reports), None when no row asked for them."""
+    logits = logits.float()
+    if batch.token_bitmask is not None:
+        logits = apply_token_bitmask(logits, batch.bitmask_rows, batch.token_bitmask)
+    raw_logprobs = None
+    if batch.max_num_logprobs is not None:
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+    logits = apply_logit_edits(logits, batch)
+    return apply_penalties(logits, batch), raw_logprobs
 
 
 _BIT = torch.arange(32, dtype=torch.int32)
@@ -324,6 +329,12 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    return exponential_race(random_probs(logits, batch), batch.generators)
+
+
+def random_probs(logits: torch.Tensor, batch: SamplingBatch, normalize: bool = False) -> torch.Tensor:
+    """The distribution a random row samples from: temperature -> top-k -> top-p -> min-p. Unnormalized
+    after min-p (the race does not care) unless normalize: rejection sampling compares probabilities."""
     logits = logits / batch.temperature[:, None]
     logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
     probs = logits.softmax(dim=-1)
@@ -331,7 +342,9 @@ def sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         # Keep tokens at least min_p times as likely as the best one (renormalising does not change the ratio).
         keep = probs >= batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
         probs = probs * keep
-    return _exponential_race(probs, batch.generators)
+        if normalize:
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
 
 
 def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
@@ -359,7 +372,7 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
     return logits_sort.scatter(dim=-1, index=logits_idx, src=logits_sort)
 
 
-def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """argmax(probs / q) with q ~ Exp(1) draws a token with probability probs (Gumbel-max in disguise), and
     lets each seeded row fill its own q from its own generator: no other row can shift its random stream."""
     q = torch.empty_like(probs)
@@ -370,7 +383,7 @@ def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator
     return (probs / q).argmax(dim=-1)
 
 
-def _gather_logprobs(
+def gather_logprobs(
     raw_logprobs: torch.Tensor, sampled: torch.Tensor, token_ids: list[int], batch: SamplingBatch
 ) -> SamplerOutput:
     B = batch.num_rows
