@@ -144,3 +144,28 @@ def test_seeded_verification_is_reproducible():
     b = _draws(50, [1, 2], seed=7)
     assert (a == b).all()
     assert len({tuple(x) for x in a}) > 3  # it samples
+
+
+def test_draft_budget_takes_rows_while_they_pay():
+    from pagedllm.spec_decode.budget import AcceptanceTracker, StepCost, allot_drafts
+
+    cost = StepCost(fixed=7e-3, per_row=3.7e-3)  # the default model on 2 AVX2 cores
+    # one request copying its prompt: every guess pays
+    assert allot_drafts({"a": 0.95}, {"a": 4}, 1, cost) == {"a": 4}
+    # a coin-flip guesser alone: the first draft pays (0.5 x 10.7 ms > 1 x 3.7 ms), the second does not
+    # (0.25 x 14.4 ms < 1.5 x 3.7 ms)
+    assert allot_drafts({"a": 0.5}, {"a": 4}, 1, cost) == {"a": 1}
+    # 32 requests already compute-bound: only near-certain guesses are worth a row
+    rates = {f"r{i}": 0.5 if i % 2 else 0.99 for i in range(32)}
+    got = allot_drafts(rates, dict.fromkeys(rates, 4), 32, cost)
+    assert all(got[r] == 0 for r in rates if rates[r] == 0.5)
+    assert all(got[r] > 0 for r in rates if rates[r] == 0.99)
+    # the tracker: a request whose guesses keep failing falls below the prior, one that holds rises
+    t = AcceptanceTracker()
+    prior = t.rate("new")
+    for _ in range(5):
+        t.observe("bad", 4, 0)
+        t.observe("good", 4, 4)
+    assert t.rate("bad") < 0.4 < prior < t.rate("good")
+    t.retain({"good"})
+    assert t.rate("bad") == t.rate("unseen")

@@ -14,6 +14,7 @@ from tiny_models import save_tiny_llama
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.errors import InputError
+from pagedllm.spec_decode.budget import StepCost
 
 pytestmark = pytest.mark.slow
 
@@ -229,15 +230,16 @@ def test_random_weight_checkpoint_greedy_equals_plain_with_both_methods(tiny):
 
 
 def test_a_draft_that_guesses_wrong_changes_nothing(plain, tiny):
-    """A random-weight draft with the default tokenizer: nearly every guess is rejected (and its KV slots
-    and blocks go back), and the greedy output is still the target's."""
+    """A random-weight draft with the default tokenizer: its guesses are rejected (their KV slots and blocks
+    go back), the engine soon stops asking it, and the greedy output is still the target's."""
     llm = exact_llm(
         num_kv_blocks=256,
         speculative_config={"method": "draft_model", "model": tiny, "num_speculative_tokens": 4},
     )
     assert token_ids(llm, PROMPTS[:3], greedy(24)) == token_ids(plain, PROMPTS[:3], greedy(24))
     spec = llm.llm_engine.get_stats().spec_decode
-    assert spec.num_draft_tokens > 40 and spec.acceptance_rate < 0.3
+    assert spec.num_draft_tokens > 0 and spec.acceptance_rate < 0.3
+    assert spec.num_draft_tokens < 24  # backed off: far fewer guesses than the 3 x 23 it could have made
     assert_no_block_held(llm)
 
 
@@ -274,6 +276,7 @@ def test_sampled_outputs_follow_the_same_distribution_with_speculation(tiny):
     spec = LLM(tiny, dtype="fp32", show_progress=False, max_num_seqs=64, speculative_config=NGRAM)
     prompt_len = len(base.get_tokenizer().encode(prompt))
     spec.llm_engine.proposer = _GreedyPathProposer(prompt_len, continuation)
+    spec.llm_engine.step_cost = StepCost(fixed=1.0, per_row=0.0)  # rows are free: every guess is verified
     n = 600
 
     def draws(llm, offset):

@@ -28,9 +28,11 @@ def run_offline(
     ]
     # every run starts cold: a repeat must not find the previous run's prompts in the prefix cache
     llm.reset_prefix_cache()
+    before = llm.llm_engine.get_stats().spec_decode
     start = time.perf_counter()
     outs = llm.generate([p.prompt for p in prompts], params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - start
+    spec = _spec_decode_figures(before, llm.llm_engine.get_stats().spec_decode)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
     output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     ttfts = sorted(o.metrics.first_token_time - o.metrics.arrival_time for o in outs)
@@ -47,6 +49,24 @@ def run_offline(
         "output_tokens": output_tokens,
         "median_ttft_s": ttfts[len(ttfts) // 2],
         "decode_tokens_per_second": decode[len(decode) // 2] if decode else 0.0,
+        **spec,
+    }
+
+
+def _spec_decode_figures(before, after) -> dict:
+    """This run's speculative decoding (vLLM's names): drafts, draft and accepted tokens, the acceptance
+    rate and the mean acceptance length (1 + accepted / drafts: tokens a verify step yields); {} when off."""
+    if after is None:
+        return {}
+    drafts = after.num_drafts - before.num_drafts
+    draft_tokens = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    return {
+        "spec_decode_num_drafts": drafts,
+        "spec_decode_num_draft_tokens": draft_tokens,
+        "spec_decode_num_accepted_tokens": accepted,
+        "spec_decode_acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
     }
 
 

@@ -28,6 +28,7 @@ from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.spec_decode import SpecDecodingStats
+from pagedllm.spec_decode.budget import AcceptanceTracker, StepCost, allot_drafts
 from pagedllm.spec_decode.draft_model import DraftModelProposer, load_draft_model, resolve_draft_model
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.structured_output import StructuredOutputManager
@@ -189,6 +190,9 @@ class LLMEngine:
             self.spec_decoding_stats = SpecDecodingStats(
                 num_accepted_tokens_per_pos=[0] * spec.num_speculative_tokens
             )
+            self._acceptance = AcceptanceTracker()
+            self.step_cost = StepCost.measure(self.runner, self.scheduler.kv_cache_manager)
+            self.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
         tokens = num_kv_blocks * block_size
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%s); max concurrency at %d tokens: %.2f x",
@@ -349,6 +353,7 @@ class LLMEngine:
             for rid, drafts in sched_out.scheduled_spec_decode_tokens.items():
                 if rid in sampled:
                     self.spec_decoding_stats.observe(len(drafts), len(sampled[rid]) - 1)
+                    self._acceptance.observe(rid, len(drafts), len(sampled[rid]) - 1)
         # the scheduler keeps each run's tokens up to a stop (EOS, stop token, max_tokens) and cuts `kept`
         kept = {rid: [s.token_id for s in run] for rid, run in sampled.items()}
         self.scheduler.update_from_output(sched_out, kept)
@@ -364,7 +369,9 @@ class LLMEngine:
             i = int(rid.rsplit("#", 1)[1]) if group.params.n > 1 else 0
             self._take_tokens(group, i, run[: len(kept[rid])])
         if self.proposer is not None:
-            self.proposer.retain(self.scheduler.requests)  # a finished request's draft state goes now
+            running = {r.request_id for r in self.scheduler.running}
+            self.proposer.retain(running)  # a finished or preempted request's draft state goes now
+            self._acceptance.retain(self.scheduler.requests)
         outputs = []
         for group in touched.values():
             finished = all(c.is_finished for c in group.children)
@@ -442,6 +449,12 @@ class LLMEngine:
             if k > 0:
                 wants[req.request_id] = k
                 decoding.append(req)
+        # only the drafts whose expected tokens pay for their rows (spec_decode/budget.py)
+        rates = {rid: self._acceptance.rate(rid) for rid in wants}
+        wants = allot_drafts(rates, wants, len(self.scheduler.running), self.step_cost)
+        decoding = [r for r in decoding if wants[r.request_id] > 0]
+        if not decoding:
+            return
         proposals = self.proposer.propose(decoding, wants)
         for req in decoding:
             drafts = proposals.get(req.request_id, [])[: wants[req.request_id]]

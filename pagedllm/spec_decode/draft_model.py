@@ -72,7 +72,8 @@ class DraftModelProposer:
                 self.kv.free(mirror)
 
     def retain(self, request_ids) -> None:
-        """Drop the mirrors of every request not in request_ids (the unfinished ones)."""
+        """Drop the mirrors of every request not in request_ids (the running ones): a finished, aborted or
+        preempted request's draft KV goes back."""
         self.remove([rid for rid in self.mirrors if rid not in request_ids])
 
     def _sync(self, req: Request) -> Request:
@@ -96,9 +97,6 @@ class DraftModelProposer:
         return mirror
 
     def propose(self, requests: list[Request], num_tokens: dict[str, int]) -> dict[str, list[int]]:
-        live = {r.request_id for r in requests}
-        stale = [rid for rid, m in self.mirrors.items() if rid not in live]
-        self.remove(stale)  # finished, aborted, preempted or not decoding: their draft KV goes back
         mirrors, want = [], {}
         for req in requests:
             mirror = self._sync(req)

@@ -299,6 +299,11 @@ def _format_throughput(report: dict) -> str:
             )
             if r.get("num_requests") == 1 and "median_ttft_s" in r:
                 line += f"; TTFT {r['median_ttft_s'] * 1000:.0f} ms, decode {r['decode_tokens_per_second']:.1f} tok/s"
+            if "mean_acceptance_length" in r:
+                line += (
+                    f"; speculation: {r['spec_decode_num_drafts']:.0f} drafts, acceptance "
+                    f"{r['spec_decode_acceptance_rate']:.2f}, mean acceptance length {r['mean_acceptance_length']:.2f}"
+                )
             lines.append(line)
         else:
             lines.append(f"{name}: {r:.2f}x")
