@@ -149,7 +149,7 @@ def test_seeded_verification_is_reproducible():
 def test_draft_budget_takes_rows_while_they_pay():
     from pagedllm.spec_decode.budget import AcceptanceTracker, StepCost, allot_drafts
 
-    cost = StepCost(fixed=7e-3, per_row=3.7e-3)  # the default model on 2 AVX2 cores
+    cost = StepCost.linear(fixed=7e-3, per_row=3.7e-3)  # about the default model on 2 AVX2 cores
     # one request copying its prompt: every guess pays
     assert allot_drafts({"a": 0.95}, {"a": 4}, 1, cost) == {"a": 4}
     # a coin-flip guesser alone: the first draft pays (0.5 x 10.7 ms > 1 x 3.7 ms), the second does not
@@ -169,3 +169,12 @@ def test_draft_budget_takes_rows_while_they_pay():
     assert t.rate("bad") < 0.4 < prior < t.rate("good")
     t.retain({"good"})
     assert t.rate("bad") == t.rate("unseen")
+
+
+def test_step_cost_interpolates_its_measured_points():
+    from pagedllm.spec_decode.budget import StepCost
+
+    cost = StepCost((1, 2, 4, 16), (0.010, 0.020, 0.024, 0.060))
+    assert cost(1) == 0.010 and cost(3) == pytest.approx(0.022) and cost(16) == pytest.approx(0.060)
+    assert cost(20) == pytest.approx(0.072)  # the last segment's 3 ms a row, on
+    assert StepCost.linear(0.007, 0.003)(10) == pytest.approx(0.037)

@@ -54,9 +54,16 @@ def plain():
     return exact_llm(num_kv_blocks=1024, max_num_seqs=32)
 
 
+def verify_everything(llm):
+    """Rows are free: every proposal is verified, whatever the step-cost measurement on this machine says
+    (these tests are about outputs; the budget has its own, at a fixed cost)."""
+    llm.llm_engine.step_cost = StepCost.linear(fixed=1.0, per_row=0.0)
+    return llm
+
+
 @pytest.fixture(scope="module")
 def ngram():
-    return exact_llm(num_kv_blocks=1024, max_num_seqs=32, speculative_config=NGRAM)
+    return verify_everything(exact_llm(num_kv_blocks=1024, max_num_seqs=32, speculative_config=NGRAM))
 
 
 def token_ids(llm, prompts, params) -> list[list[int]]:
@@ -93,7 +100,9 @@ def test_ngram_batch_of_32_with_mixed_lengths_equals_plain(plain, ngram):
 
 def test_ngram_with_preemption_forced_equals_plain(plain):
     # 12 blocks of 16 tokens for 6 requests of up to ~110 tokens: they cannot all run at once
-    small = exact_llm(num_kv_blocks=12, max_num_batched_tokens=64, speculative_config=NGRAM)
+    small = verify_everything(
+        exact_llm(num_kv_blocks=12, max_num_batched_tokens=64, speculative_config=NGRAM)
+    )
     prompts = PROMPTS[:6]
     got = token_ids(small, prompts, greedy(40, ignore_eos=True))
     assert small.llm_engine.get_stats().num_preemptions > 0
@@ -191,7 +200,7 @@ def test_structured_outputs_with_speculation_equal_plain(plain, ngram):
 
 def test_draft_model_greedy_equals_plain_and_gives_its_blocks_back(plain):
     """Self-speculation: the default model's GGUF blocks served natively draft for the same model in fp32."""
-    llm = exact_llm(num_kv_blocks=512, max_num_seqs=8, speculative_config=DRAFT)
+    llm = verify_everything(exact_llm(num_kv_blocks=512, max_num_seqs=8, speculative_config=DRAFT))
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[4], PROMPTS[6]]
     params = [greedy(20 + 4 * i) for i in range(4)]
     assert token_ids(llm, prompts, params) == token_ids(plain, prompts, params)
@@ -223,7 +232,7 @@ def test_random_weight_checkpoint_greedy_equals_plain_with_both_methods(tiny):
         prompts.append(ids + token_ids(base, ids, params)[0] + ids)
     want = token_ids(base, prompts, params)
     for config in (NGRAM, {"method": "draft_model", "model": tiny, "num_speculative_tokens": 2}):
-        llm = LLM(tiny, dtype="fp32", show_progress=False, speculative_config=config)
+        llm = verify_everything(LLM(tiny, dtype="fp32", show_progress=False, speculative_config=config))
         assert token_ids(llm, prompts, params) == want, config
         assert llm.llm_engine.get_stats().spec_decode.num_drafts > 0
         assert_no_block_held(llm)
@@ -236,6 +245,7 @@ def test_a_draft_that_guesses_wrong_changes_nothing(plain, tiny):
         num_kv_blocks=256,
         speculative_config={"method": "draft_model", "model": tiny, "num_speculative_tokens": 4},
     )
+    llm.llm_engine.step_cost = StepCost.linear(fixed=7e-3, per_row=3.7e-3)  # the budget at a fixed cost
     assert token_ids(llm, PROMPTS[:3], greedy(24)) == token_ids(plain, PROMPTS[:3], greedy(24))
     spec = llm.llm_engine.get_stats().spec_decode
     assert spec.num_draft_tokens > 0 and spec.acceptance_rate < 0.3
@@ -276,7 +286,7 @@ def test_sampled_outputs_follow_the_same_distribution_with_speculation(tiny):
     spec = LLM(tiny, dtype="fp32", show_progress=False, max_num_seqs=64, speculative_config=NGRAM)
     prompt_len = len(base.get_tokenizer().encode(prompt))
     spec.llm_engine.proposer = _GreedyPathProposer(prompt_len, continuation)
-    spec.llm_engine.step_cost = StepCost(fixed=1.0, per_row=0.0)  # rows are free: every guess is verified
+    verify_everything(spec)
     n = 600
 
     def draws(llm, offset):

@@ -1,14 +1,14 @@
 """How many draft tokens each request verifies this step: as many as pay for their rows.
 
-On a CPU a decode step costs about fixed + per_row * rows: one row reads every weight (memory-bound), and
-from a few rows on each extra row costs its share of the matmuls (2 AVX2 cores: ~7 ms + ~3.7 ms a row on
-the default model). A draft token is a row that yields a token only if it and the drafts before it are
+On a CPU one row of a decode step reads every weight (memory-bound), and from a few rows on each extra
+row costs its share of the matmuls (2 AVX2 cores, the default model: 11 ms for 1 row, 19 ms for 4, 64 ms
+for 16). A draft token is a row that yields a token only if it and the drafts before it are
 accepted: the j-th draft of a request whose drafts hold with probability a yields a^j tokens. Rows are
 added best first while their yield per second beats the step's: single-stream copying takes all k, a
 batch of 32 already compute-bound takes only near-certain guesses, so speculation never makes a step
 yield fewer tokens a second than it would without (the W32 case).
 
-The step cost is measured once at start-up (StepCost.measure); each request's acceptance is estimated
+The step cost is measured once at start-up at 1, 2, 4, 8 and 16 rows (StepCost.measure); each request's acceptance is estimated
 from its own verifications over the engine-wide rate (AcceptanceTracker).
 """
 
@@ -29,23 +29,36 @@ logger = logging.getLogger("pagedllm")
 
 @dataclass
 class StepCost:
-    """Seconds a step of `rows` decode rows takes: fixed + per_row * rows."""
+    """Seconds a step of `rows` decode rows takes, measured at a few row counts and interpolated between
+    them (extrapolated past the last along its last segment). Not one line: an fp32 torch matmul of 2-4
+    rows costs far more a row than one of 16 (oneDNN's small-M path), a quantized kernel's much less."""
 
-    fixed: float
-    per_row: float
+    rows: tuple[int, ...]
+    seconds: tuple[float, ...]
 
     def __call__(self, rows: int) -> float:
-        return self.fixed + self.per_row * rows
+        r, s = self.rows, self.seconds
+        if len(r) == 1:
+            return s[0] * rows / r[0]
+        i = next((i for i in range(1, len(r) - 1) if rows <= r[i]), len(r) - 1)
+        slope = (s[i] - s[i - 1]) / (r[i] - r[i - 1])
+        return max(s[i - 1] + slope * (rows - r[i - 1]), 0.0)
+
+    @classmethod
+    def linear(cls, fixed: float, per_row: float) -> StepCost:
+        return cls((1, 2), (fixed + per_row, fixed + 2 * per_row))
 
     @classmethod
     def measure(
-        cls, runner, kv: KVCacheManager, rows: tuple[int, int] = (1, 16), repeats: int = 3
+        cls, runner, kv: KVCacheManager, rows: tuple[int, ...] = (1, 2, 4, 8, 16), repeats: int = 3
     ) -> StepCost:
-        """Time decode steps of rows[0] and rows[1] one-token contexts through the runner (before any
-        request: it borrows rows[1] blocks and gives them back) and fit the line through them."""
-        times = []
+        """Time decode steps of each row count of one-token contexts through the runner (before any
+        request: it borrows blocks and gives them back); the median of `repeats` after a first call."""
+        counts, times = [], []
         for m in rows:
             m = min(m, kv.num_free_blocks)
+            if counts and m <= counts[-1]:
+                break
             reqs = [
                 Request(f"__cost_{i}__", [0, 0], SamplingParams(temperature=0, max_tokens=1))
                 for i in range(m)
@@ -60,16 +73,16 @@ class StepCost:
                 start = time.perf_counter()
                 runner.execute_model(step)
                 samples.append(time.perf_counter() - start)
-            times.append((m, statistics.median(samples)))
             for r in reqs:
                 kv.free(r)
-        (m0, t0), (m1, t1) = times
-        per_row = max((t1 - t0) / (m1 - m0), 1e-6) if m1 > m0 else t0 / 2
-        cost = cls(max(t0 - per_row * m0, 0.0), per_row)
+            counts.append(m)
+            # a step of more rows never costs less (noise can say otherwise)
+            times.append(max(statistics.median(samples), times[-1] if times else 0.0))
+        cost = cls(tuple(counts), tuple(times))
         logger.info(
-            "speculative decoding: a decode step costs %.1f ms + %.2f ms a row",
-            cost.fixed * 1e3,
-            per_row * 1e3,
+            "speculative decoding: a decode step of %s rows costs %s ms",
+            "/".join(map(str, counts)),
+            "/".join(f"{t * 1e3:.1f}" for t in times),
         )
         return cost
 
@@ -117,7 +130,8 @@ def allot_drafts(
     rates: dict[str, float], max_drafts: dict[str, int], base_rows: int, cost: StepCost
 ) -> dict[str, int]:
     """Draft tokens per request: candidate rows (request r's j-th draft yields rates[r] ** j tokens) taken best
-    first while yield / per_row beats the step's tokens / cost(rows) so far (base_rows one-token decodes)."""
+    first while one more row raises the step's tokens per second: gain * cost(rows) > tokens *
+    (cost(rows + 1) - cost(rows)), from base_rows one-token decodes."""
     candidates = sorted(
         ((rates[rid] ** j, rid) for rid, k in max_drafts.items() for j in range(1, k + 1)),
         key=lambda c: -c[0],
@@ -125,7 +139,7 @@ def allot_drafts(
     allotted = dict.fromkeys(max_drafts, 0)
     tokens, rows = float(base_rows), base_rows
     for gain, rid in candidates:
-        if gain * cost(rows) <= tokens * cost.per_row:
+        if gain * cost(rows) <= tokens * (cost(rows + 1) - cost(rows)):
             break
         allotted[rid] += 1
         tokens += gain
