@@ -60,7 +60,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # ngram: shortest suffix of the sequence searched for earlier in it
     prompt_lookup_max: int = 5  # ngram: longest, tried first
     model: str | None = None  # draft_model: a GGUF file, a safetensors folder or 'default'
-    quantization: str | None = "auto"  # draft_model: as --quantization, for the draft
+    quantization: str | None = None  # draft_model: as --quantization, for the draft (None = auto)
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
@@ -112,5 +112,7 @@ class SpeculativeConfig:
             raise bad("prompt_lookup_max", f"must be at least prompt_lookup_min ({self.prompt_lookup_min})")
         if self.method == "draft_model" and not self.model:
             raise bad("model", "is required for method draft_model (a GGUF file, a folder or 'default')")
-        if self.method == "ngram" and self.model:
-            raise bad("model", "is for method draft_model; ngram proposes from the request's own tokens")
+        if self.method == "ngram":
+            for name in ("model", "quantization"):
+                if getattr(self, name) is not None:
+                    raise bad(name, "is for method draft_model; ngram proposes from the request's own tokens")

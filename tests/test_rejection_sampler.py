@@ -38,6 +38,7 @@ def test_ngram_takes_the_latest_earlier_occurrence_of_the_longest_suffix():
         ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_max"),
         ({"method": "draft_model"}, "model"),
         ({"method": "ngram", "model": "default"}, "model"),
+        ({"method": "ngram", "quantization": "gguf"}, "quantization"),
         ({"method": "ngram", "draft_tensor_parallel_size": 2}, "draft_tensor_parallel_size"),
         ("{not json", None),
         ("[1]", None),

@@ -156,6 +156,17 @@ def test_stops_inside_an_accepted_run_end_where_they_would_without(plain, ngram)
     assert_no_block_held(ngram)
 
 
+def test_min_tokens_holds_eos_back_on_every_verified_row(plain, ngram):
+    """EOS is banned on the rows before min_tokens even when later rows of the same run are past it."""
+    for prompt in (chat("Say hi."), chat("Repeat exactly: hi hi hi hi")):
+        natural = len(token_ids(plain, prompt, greedy(40))[0])
+        for min_tokens in (natural + 1, natural + 3):
+            params = greedy(60, min_tokens=min_tokens)
+            got = token_ids(ngram, prompt, params)[0]
+            assert got == token_ids(plain, prompt, params)[0], (prompt, min_tokens)
+            assert len(got) >= min_tokens
+
+
 def test_logprobs_are_the_targets(plain, ngram):
     params = greedy(24, logprobs=3)
     a = ngram.generate(COPY, params, use_tqdm=False)[0].outputs[0]

@@ -32,7 +32,7 @@ def resolve_draft_model(config: SpeculativeConfig):
     """(path, quantization) of the draft, checked before anything loads; errors name the field."""
     try:
         path = resolve_model_path(config.model)
-        return path, resolve_quantization(path, config.quantization)
+        return path, resolve_quantization(path, config.quantization or "auto")
     except (InputError, OSError) as e:  # named for the field it came from, not the target's --model
         raise InputError(f"speculative_config.model: {e}", "speculative_config.model") from e
 

@@ -16,7 +16,7 @@ from pagedllm.attention.kv_quant import QuantizedKVCache, resolve_kv_cache_dtype
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import CacheConfig, ModelConfig
 from pagedllm.worker.prompt_logprobs import PromptLogprobs, PromptLogprobsSpan, compute_prompt_logprobs
-from pagedllm.worker.rejection_sampler import rejection_sample
+from pagedllm.worker.rejection_sampler import greedy_verify, rejection_sample
 from pagedllm.worker.sampler import SamplingBatch, argmax_kernel, greedy, is_plain_greedy, sample_requests
 
 
@@ -96,7 +96,11 @@ class ModelRunner:
                 and req.sampling_params.prompt_logprobs is None
             )
 
-        rows_of = {r.request_id for r in requests if as_decode_rows(r)}
+        rows_of = (
+            {r.request_id for r in requests if as_decode_rows(r)}
+            if spec or self.max_decode_rows_chunk
+            else ()
+        )
         # decodes (one new token) and decode rows first: the attention backend attends them in one call
         order = sorted(requests, key=lambda r: num_new[r.request_id] != 1 and r.request_id not in rows_of)
         input_ids: list[int] = []
@@ -223,24 +227,29 @@ class ModelRunner:
     ) -> dict[str, list[SampledToken]]:
         """Rejection-sample a step where some requests verify drafts: one sampling row per position, each
         seeing the request's output extended by the drafts before it."""
-        if grammar_bitmask is None and all(
-            is_plain_greedy(r.sampling_params, r.num_output_tokens + len(spec.get(r.request_id, ())))
-            for r in requests
-        ):  # the argmax of every row, without building a SamplingBatch
-            argmax = greedy(logits).tolist()
-            out, first = {}, 0
-            for req in requests:
-                drafts = spec.get(req.request_id, [])
-                n = 0
-                while n < len(drafts) and argmax[first + n] == drafts[n]:
-                    n += 1
-                out[req.request_id] = [SampledToken(t) for t in drafts[:n] + [argmax[first + n]]]
-                first += len(drafts) + 1
-            return out
-        rows, spans = [], []
+        spans, first = [], 0
         for req in requests:
             drafts = spec.get(req.request_id, [])
-            spans.append((len(rows), drafts))
+            spans.append((first, drafts))
+            first += len(drafts) + 1
+        # row 0 has the fewest output tokens: if it is past min_tokens, every row is
+        if grammar_bitmask is None and all(
+            is_plain_greedy(r.sampling_params, r.num_output_tokens) for r in requests
+        ):
+            runs = greedy_verify(greedy(logits).tolist(), spans)  # the argmax of every row, no SamplingBatch
+        else:
+            runs = self._rejection_sample(logits, requests, spans, spec, grammar_bitmask)
+        return {
+            req.request_id: [
+                SampledToken(t, run.sampled_logprobs[i], run.sampled_ranks[i], run.logprobs[i])
+                for i, t in enumerate(run.token_ids)
+            ]
+            for req, run in zip(requests, runs)
+        }
+
+    def _rejection_sample(self, logits, requests, spans, spec, grammar_bitmask) -> list:
+        rows = []
+        for req, (_, drafts) in zip(requests, spans):
             out_ids = req.output_token_ids
             for j in range(len(drafts) + 1):
                 history = out_ids + drafts[:j] if j else out_ids
@@ -264,11 +273,4 @@ class ModelRunner:
             if mask_rows:
                 token_bitmask = (mask_rows, grammar_bitmask[1][masks])
         batch = SamplingBatch.from_rows(rows, logits.shape[-1], token_bitmask=token_bitmask)
-        runs = rejection_sample(logits, batch, spans, [r.generator for r in requests])
-        return {
-            req.request_id: [
-                SampledToken(t, run.sampled_logprobs[i], run.sampled_ranks[i], run.logprobs[i])
-                for i, t in enumerate(run.token_ids)
-            ]
-            for req, run in zip(requests, runs)
-        }
+        return rejection_sample(logits, batch, spans, [r.generator for r in requests])

@@ -58,8 +58,7 @@ def rejection_sample(
     tokens), the request owning rows first .. first + len(drafts); generators: per request, its own
     (seeded) generator or None."""
     if batch.plain_greedy:
-        argmax = greedy(logits).tolist()
-        return [_greedy_run(argmax, first, drafts) for first, drafts in spans]
+        return greedy_verify(greedy(logits).tolist(), spans)
 
     logits, raw_logprobs = process_logits(logits, batch)
     argmax = greedy(logits).tolist() if not batch.all_random else None
@@ -99,6 +98,11 @@ def rejection_sample(
     if raw_logprobs is not None:
         _add_logprobs(out, raw_logprobs, batch)
     return out
+
+
+def greedy_verify(argmax: list[int], spans: Sequence[tuple[int, Sequence[int]]]) -> list[VerifiedRun]:
+    """Greedy rows only: each request's drafts held while the argmax agrees, then the argmax."""
+    return [_greedy_run(argmax, first, drafts) for first, drafts in spans]
 
 
 def _greedy_run(argmax: list[int], first: int, drafts: Sequence[int]) -> VerifiedRun:
