@@ -35,7 +35,7 @@ def timed_execute(scheduler_output):
         steps.append(
             (
                 scheduler_output.total_num_scheduled_tokens,
-                len(scheduler_output.scheduled_requests),
+                len(scheduler_output.num_scheduled_tokens),
                 time.perf_counter() - start,
             )
         )

@@ -24,6 +24,7 @@ LAYERS: list[set[str]] = [
     {"pagedllm.entrypoints"},  # the offline LLM class, engine_args.py
     {"pagedllm.engine"},  # LLMEngine, AsyncEngine, detokenizer
     {"pagedllm.spec_decode"},  # draft-token proposers (a draft model runs its own runner and KV manager)
+    {"pagedllm.executor"},  # where the runner runs: this process, or tensor-parallel worker processes
     # scheduler + KV cache; model runner; perplexity; grammars for structured outputs
     {"pagedllm.core", "pagedllm.worker", "pagedllm.eval", "pagedllm.structured_output"},
     {"pagedllm.model"},  # the decoder, its builder and fusions
@@ -38,6 +39,7 @@ LAYERS: list[set[str]] = [
         "pagedllm.ops",  # the op table: which backend each op runs on this machine
         "pagedllm.kernels",  # the list of C++ kernels and their tiers
         "pagedllm.plot_style",  # the look of every PNG: bench plots and `plan --plot`
+        "pagedllm.distributed",  # tensor parallelism: the split of a model over ranks, the collectives
     },
     {
         "pagedllm.config",

@@ -8,6 +8,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.errors import InputError
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.input_batch import InputBatch
 
 BS = 16
 
@@ -49,25 +50,27 @@ class FakeRunner:
     def __init__(self):
         self.slots: dict[int, dict[int, tuple[int, int]]] = {}
         self.all_copies: list[tuple[int, int]] = []
+        self.batch = InputBatch()  # the real runner's record, kept from the plain-data steps only
 
     def execute(self, out) -> dict[str, int]:
+        states = self.batch.update(out)
         for src, dst in out.blocks_to_copy:
             self.slots[dst] = dict(self.slots.get(src, {}))
         self.all_copies += out.blocks_to_copy
-        for r in out.scheduled_requests:  # every layer writes the batch's KV before attention reads it
-            tokens = r.all_token_ids
+        for r in states:  # every layer writes the batch's KV before attention reads it
+            tokens = r.tokens(0, r.num_tokens)
             start = r.num_computed_tokens
             for pos in range(start, start + out.num_scheduled_tokens[r.request_id]):
                 self.slots.setdefault(r.block_ids[pos // BS], {})[pos % BS] = (pos, tokens[pos])
         sampled = {}
-        for r in out.scheduled_requests:
+        for r in states:
             end = r.num_computed_tokens + out.num_scheduled_tokens[r.request_id]
             seen = []
             for pos in range(end):
                 got_pos, tok = self.slots[r.block_ids[pos // BS]][pos % BS]
                 assert got_pos == pos, (r.request_id, pos)
                 seen.append(tok)
-            assert seen == r.all_token_ids[:end], r.request_id
+            assert seen == r.tokens(0, end), r.request_id
             if end == r.num_tokens:
                 sampled[r.request_id] = fake_model(seen)
         return sampled
@@ -77,7 +80,7 @@ def step(sched, runner):
     out = sched.schedule()
     assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
     assert out.total_num_scheduled_tokens <= sched.scheduler_config.max_num_batched_tokens
-    assert len(out.scheduled_requests) <= sched.scheduler_config.max_num_seqs
+    assert len(out.scheduled_req_ids) <= sched.scheduler_config.max_num_seqs
     assert len(sched.running) <= sched.scheduler_config.max_num_seqs
     return out, sched.update_from_output(out, runner.execute(out))
 
@@ -92,6 +95,8 @@ def run_all(sched, runner=None, max_steps=10_000):
         for r in done:
             finished[r.request_id] = r
     assert not sched.has_unfinished_requests()
+    runner.batch.update(sched.schedule())  # an empty step carries the last finished ids
+    assert not runner.batch.requests, "the runner still holds finished requests"
     return finished
 
 
@@ -149,7 +154,7 @@ def test_preempted_request_goes_to_front_of_waiting_and_newest_is_victim():
     assert out.preempted_request_ids == ["new"]
     assert new.status == RequestStatus.PREEMPTED and new.num_computed_tokens == 0 and new.block_ids == []
     assert list(sched.waiting)[:2] == [new, later]
-    assert [r.request_id for r in out.scheduled_requests] == ["old"]  # no admission in a preempting step
+    assert out.scheduled_req_ids == ["old"]  # no admission in a preempting step
 
 
 def test_shared_system_prompt_uses_same_physical_blocks():

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    import torch
 
 
 class RequestStatus(enum.IntEnum):
@@ -47,7 +44,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)  # the block table: physical block ids in order
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None  # the stop token id or stop string that finished it
-    generator: torch.Generator | None = None  # seeded by the engine when sampling_params.seed is set
+    seed: int | None = None  # its sampling generator's seed, when sampling_params.seed is set (+ index)
     first_token_time: float | None = None
     num_preemptions: int = 0
     # A StructuredOutputRequest (pagedllm.structured_output) when the output is constrained: the request is

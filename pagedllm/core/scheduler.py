@@ -16,22 +16,8 @@ from dataclasses import dataclass, field
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler_output import RunnerSync, SchedulerOutput
 from pagedllm.errors import InputError
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled_requests: list[Request]
-    num_scheduled_tokens: dict[str, int]
-    blocks_to_copy: list[tuple[int, int]]  # (src, dst) block ids, to copy before the forward
-    preempted_request_ids: list[str]
-    total_num_scheduled_tokens: int
-    # request id -> the draft tokens it verifies this step (fed after its last known token)
-    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled_requests
 
 
 @dataclass
@@ -57,6 +43,7 @@ class Scheduler:
         self._fork_groups: dict[str, _ForkGroup] = {}
         self._order: dict[str, int] = {}  # breaks arrival_time ties by add order
         self._next_order = 0
+        self.runner_sync = RunnerSync()  # what the model runners hold of each request
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -245,13 +232,12 @@ class Scheduler:
 
         total = sum(num_scheduled.values())
         assert total <= self.scheduler_config.max_num_batched_tokens
-        return SchedulerOutput(
-            scheduled_requests=scheduled,
-            num_scheduled_tokens=num_scheduled,
-            blocks_to_copy=kv.take_blocks_to_copy(),
-            preempted_request_ids=preempted,
-            total_num_scheduled_tokens=total,
-            scheduled_spec_decode_tokens={r: t for r, t in spec.items() if r not in preempted},
+        return self.runner_sync.build(
+            scheduled,
+            num_scheduled,
+            kv.take_blocks_to_copy(),
+            preempted,
+            {r: t for r, t in spec.items() if r not in preempted},
         )
 
     # -- results ---------------------------------------------------------------------------------
@@ -266,9 +252,9 @@ class Scheduler:
         the tokens after a stop are dropped, from `sampled` too, so the caller sees what was kept."""
         finished: list[Request] = []
         spec = scheduler_output.scheduled_spec_decode_tokens
-        for request in scheduler_output.scheduled_requests:
-            rid = request.request_id
-            if request.status != RequestStatus.RUNNING:  # aborted while the step ran
+        for rid in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(rid)
+            if request is None or request.status != RequestStatus.RUNNING:  # aborted while the step ran
                 continue
             num_new = scheduler_output.num_scheduled_tokens[rid]
             tokens = sampled.get(rid)
@@ -318,6 +304,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self._dissolve_if_leader(request)
         self._drop_pending(request)
+        self.runner_sync.finish(request.request_id)
         del self.requests[request.request_id]
         del self._order[request.request_id]
 

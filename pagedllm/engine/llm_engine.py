@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -19,11 +19,15 @@ from pagedllm.attention.kv_quant import KV_QUANT_DTYPES, kv_cache_bytes_per_toke
 from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.distributed.partition import head_shards
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.errors import InputError
+from pagedllm.executor.multiproc import MultiprocExecutor, default_threads
+from pagedllm.executor.uniproc import UniProcExecutor
+from pagedllm.executor.worker import WorkerConfig
 from pagedllm.model.build import build_model, resolve_quantization
 from pagedllm.model.fuse import fuse_for_inference
-from pagedllm.model.loader import resolve_model_path
+from pagedllm.model.loader import read_model_config, resolve_model_path
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -118,7 +122,10 @@ class LLMEngine:
         seed: int = 0,
         show_progress: bool = True,
         speculative_config: SpeculativeConfig | dict | str | None = None,
+        tensor_parallel_size: int = 1,
     ):
+        """tensor_parallel_size: the model split over that many worker processes on this machine
+        (executor/multiproc.py; gloo); 1 runs it in this process."""
         # check every option before the (slow) model load, so a typo fails at once
         for name, value in (
             ("block_size", block_size),
@@ -126,6 +133,7 @@ class LLMEngine:
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("num_kv_blocks", num_kv_blocks),
             ("max_model_len", max_model_len),
+            ("tensor_parallel_size", tensor_parallel_size),
         ):
             if value is not None and value < 1:
                 raise InputError(f"{name} must be at least 1, got {value}", param=name)
@@ -141,8 +149,20 @@ class LLMEngine:
         self.model_path = path
         ops.table()  # every kernel this machine's op table picks is built now, never inside a request
         self.quantization = resolve_quantization(path, quantization)
-        self.model, self.model_config = build_model(path, self.dtype, self.quantization, show_progress)
-        fuse_for_inference(self.model)
+        self.tensor_parallel_size = tensor_parallel_size
+        if tensor_parallel_size > 1:
+            if self.speculative_config is not None:
+                raise InputError(
+                    "speculative decoding does not run with tensor_parallel_size > 1 yet",
+                    param="speculative_config",
+                )
+            # the workers load the model; this process needs its shape only
+            self.model, self.model_config = None, read_model_config(path)
+            cfg = self.model_config
+            shards = head_shards(cfg.num_heads, cfg.num_kv_heads, tensor_parallel_size)  # refuses early
+        else:
+            self.model, self.model_config = build_model(path, self.dtype, self.quantization, show_progress)
+            fuse_for_inference(self.model)
         cfg = self.model_config
         self.tokenizer = Tokenizer.from_checkpoint(path)
         spec = self.speculative_config
@@ -151,7 +171,9 @@ class LLMEngine:
             draft = load_draft_model(spec, self.dtype, self.tokenizer, show_progress)
 
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        per_token = self._kv_bytes_per_token(cfg, kv_dtype)
+        # under tensor parallelism the rank with the most KV heads decides how many blocks fit its budget
+        kv_cfg = cfg if tensor_parallel_size == 1 else replace(cfg, num_kv_heads=max(s.num_kv_heads for s in shards))
+        per_token = self._kv_bytes_per_token(kv_cfg, kv_dtype)
         self.kv_bytes_per_token = per_token
         # a draft model's KV sits beside the target's, block for block: each block costs both
         per_tokens = (
@@ -179,7 +201,23 @@ class LLMEngine:
         self.cache_config = CacheConfig(block_size, num_kv_blocks, kv_cache_dtype, enable_prefix_caching)
         self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
-        self.runner = ModelRunner(self.model, cfg, self.cache_config, self.dtype)
+        if tensor_parallel_size > 1:
+            self.runner = None
+            self.executor = MultiprocExecutor(
+                WorkerConfig(
+                    str(path),
+                    self.dtype,
+                    self.quantization,
+                    self.cache_config,
+                    tensor_parallel_size,
+                    "",
+                    default_threads(tensor_parallel_size),
+                    seed,
+                )
+            )
+        else:
+            self.runner = ModelRunner(self.model, cfg, self.cache_config, self.dtype)
+            self.executor = UniProcExecutor(self.runner)
         self.proposer = None
         self.spec_decoding_stats: SpecDecodingStats | None = None
         if spec is not None:
@@ -265,9 +303,6 @@ class LLMEngine:
         )
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            gen = None
-            if params.seed is not None:
-                gen = torch.Generator().manual_seed((params.seed + i) % 2**64)  # a uint64 seed
             req = Request(
                 request_id=child_id,
                 prompt_token_ids=prompt_ids,
@@ -276,7 +311,7 @@ class LLMEngine:
                 arrival_time=now,
                 group_id=request_id,
                 index=i,
-                generator=gen,
+                seed=None if params.seed is None else (params.seed + i) % 2**64,  # a uint64 seed
             )
             if structured is not None:
                 # validates: a malformed constraint raises here, for child 0, before any state is kept
@@ -341,11 +376,11 @@ class LLMEngine:
             # nothing to run but grammars being compiled: wait for one instead of spinning
             wait([r.structured_output.future for r in self._pending_grammars.values()], 0.05, FIRST_COMPLETED)
         now = time.time()
-        for req in sched_out.scheduled_requests:
-            group = self._child_to_group.get(req.request_id)
+        for rid in sched_out.num_scheduled_tokens:
+            group = self._child_to_group.get(rid)
             if group is not None and group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
-        runner_out = self.runner.execute_model(sched_out, self._grammar_bitmask(sched_out))
+        runner_out = self.executor.execute_model(sched_out, self._grammar_bitmask(sched_out))
         sampled = runner_out.sampled
         for rid, part in runner_out.prompt_logprobs.items():
             self._add_prompt_logprobs(rid, part)
@@ -483,10 +518,12 @@ class LLMEngine:
         """The token bitmasks of the constrained requests that sample this step (their last scheduled
         position is their last known token), or None."""
         spec = sched_out.scheduled_spec_decode_tokens
+        requests = self.scheduler.requests
         constrained = [
             r
-            for r in sched_out.scheduled_requests
-            if r.structured_output is not None
+            for r in map(requests.get, sched_out.num_scheduled_tokens)
+            if r is not None
+            and r.structured_output is not None
             and r.num_computed_tokens + sched_out.num_scheduled_tokens[r.request_id]
             == r.num_tokens + len(spec.get(r.request_id, ()))
         ]
@@ -549,6 +586,10 @@ class LLMEngine:
             metrics=group.metrics,
             prompt_logprobs=group.prompt_logprobs,
         )
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do in one process)."""
+        self.executor.shutdown()
 
     # ---- what the engine holds --------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:

@@ -78,6 +78,8 @@ def unsupported_reason(model) -> str | None:
     norm or activation) must send the model to the layer loop, never be silently dropped: the check is on
     the architecture and on every module each layer holds, so a new part fails it."""
     arch = model.config.architecture
+    if getattr(model, "tp_vocab_size", None) is not None:
+        return "tensor parallelism (the fused stack has no all-reduce between its layers)"
     if arch not in FUSED_ARCHITECTURES:
         return f"architecture {arch!r} (the fused stack computes {', '.join(FUSED_ARCHITECTURES)})"
     if getattr(model.config, "sliding_window", None):

@@ -18,6 +18,7 @@ from torch import nn
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged import paged_attention, write_kv
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.parallel_state import all_gather, all_reduce
 from pagedllm.model import decode_stack
 from pagedllm.model.layers.activation import silu_and_mul
 from pagedllm.model.layers.norm import RMSNorm
@@ -56,7 +57,8 @@ class LlamaAttention(nn.Module):
         q, k = rotate(q, k, *rope)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, -1))
+        # under tensor parallelism each rank holds some heads: the o rows' partial products add up here
+        return all_reduce(self.o_proj(o.reshape(t, -1)))
 
 
 class LlamaMLP(nn.Module):
@@ -70,8 +72,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x):
         if self.gate_up_proj is not None:
-            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            h = silu_and_mul(self.gate_up_proj(x))
+        else:
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        return all_reduce(self.down_proj(h))  # each rank's slice of the intermediate size adds up
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -109,6 +113,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # the decoder layers as one C++ call for decode steps and fresh prefills (decode_stack.py), by fuse.py
         self.decode_stack = None
+        self.tp_vocab_size: int | None = None  # set by tensor_parallel.py: the lm_head holds a vocabulary slice
 
     @torch.inference_mode()
     def forward(
@@ -135,6 +140,8 @@ class LlamaForCausalLM(nn.Module):
         """Logits for the rows that sample only: the lm_head is the largest matmul of a decode step. In
         float32, or with upcast=False in the model's dtype (the sampler upcasts where it needs to)."""
         logits = self.lm_head(hidden)
+        if self.tp_vocab_size is not None:  # every rank's vocabulary slice, in order
+            logits = all_gather(logits)[..., : self.tp_vocab_size]
         return logits.float() if upcast else logits
 
     @classmethod

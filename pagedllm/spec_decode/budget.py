@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.core.scheduler_output import RunnerSync
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -55,6 +55,7 @@ class StepCost:
         """Time decode steps of each row count of one-token contexts through the runner (before any
         request: it borrows blocks and gives them back); the median of `repeats` after a first call."""
         counts, times = [], []
+        sync = RunnerSync()
         for m in rows:
             m = min(m, kv.num_free_blocks)
             if counts and m <= counts[-1]:
@@ -66,7 +67,8 @@ class StepCost:
             for r in reqs:
                 kv.allocate_slots(r, 2)
                 r.num_computed_tokens = 1
-            step = SchedulerOutput(reqs, {r.request_id: 1 for r in reqs}, [], [], m)
+            # sent whole every time (the runner replaces its record), so the same step can run again
+            step = sync.build(reqs, {r.request_id: 1 for r in reqs})
             runner.execute_model(step)  # first calls set up primitives
             samples = []
             for _ in range(repeats):
@@ -75,6 +77,8 @@ class StepCost:
                 samples.append(time.perf_counter() - start)
             for r in reqs:
                 kv.free(r)
+                sync.finish(r.request_id)
+            runner.execute_model(sync.build([], {}))  # the runner drops its records of them
             counts.append(m)
             # a step of more rows never costs less (noise can say otherwise)
             times.append(max(statistics.median(samples), times[-1] if times else 0.0))

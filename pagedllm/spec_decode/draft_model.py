@@ -16,7 +16,7 @@ import torch
 from pagedllm.config import CacheConfig, ModelConfig, SpeculativeConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
-from pagedllm.core.scheduler import SchedulerOutput
+from pagedllm.core.scheduler_output import RunnerSync
 from pagedllm.errors import InputError
 from pagedllm.model.build import build_model, resolve_quantization
 from pagedllm.model.fuse import fuse_for_inference
@@ -61,6 +61,7 @@ class DraftModelProposer:
             cache_config.num_blocks, cache_config.block_size, enable_prefix_caching=False
         )
         self.runner = ModelRunner(model, model_config, cache_config, dtype, max_decode_rows_chunk=8)
+        self.sync = RunnerSync()  # what the draft's runner holds of each mirror
         self.mirrors: dict[str, Request] = {}  # request id -> the draft's view of that request
         self._base: dict[str, int] = {}  # rid -> the target's num_tokens when the mirror's drafts began
 
@@ -70,6 +71,7 @@ class DraftModelProposer:
             self._base.pop(rid, None)
             if mirror is not None:
                 self.kv.free(mirror)
+                self.sync.finish(rid)
 
     def retain(self, request_ids) -> None:
         """Drop the mirrors of every request not in request_ids (the running ones): a finished, aborted or
@@ -91,6 +93,7 @@ class DraftModelProposer:
         while same < min(len(guessed), len(verified)) and guessed[same] == verified[same]:
             same += 1
         mirror.output_token_ids = list(req.output_token_ids)
+        self.sync.forget(req.request_id)  # its tokens were replaced: the runner gets them whole
         mirror.num_computed_tokens = min(mirror.num_computed_tokens, base + same, req.num_tokens - 1)
         self.kv.free_tail(mirror, mirror.num_computed_tokens)
         self._base[req.request_id] = req.num_tokens
@@ -111,7 +114,7 @@ class DraftModelProposer:
         active = mirrors
         while active:
             step = {m.request_id: m.num_tokens - m.num_computed_tokens for m in active}
-            out = self.runner.execute_model(SchedulerOutput(active, step, [], [], sum(step.values())))
+            out = self.runner.execute_model(self.sync.build(active, step))
             for m in active:
                 m.num_computed_tokens += step[m.request_id]
                 token = out.sampled[m.request_id][0].token_id

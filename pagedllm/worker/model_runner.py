@@ -15,6 +15,7 @@ import torch
 from pagedllm.attention.kv_quant import QuantizedKVCache, resolve_kv_cache_dtype
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import CacheConfig, ModelConfig
+from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.prompt_logprobs import PromptLogprobs, PromptLogprobsSpan, compute_prompt_logprobs
 from pagedllm.worker.rejection_sampler import greedy_verify, rejection_sample
 from pagedllm.worker.sampler import SamplingBatch, argmax_kernel, greedy, is_plain_greedy, sample_requests
@@ -43,10 +44,15 @@ class ModelRunner:
         cache_config: CacheConfig,
         dtype: torch.dtype,
         max_decode_rows_chunk: int = 0,
+        samples: bool = True,
     ):
         """max_decode_rows_chunk: a chunk of 2..this many tokens after cached ones, its request's last, runs
-        as decode rows (the draft model's catch-up of one or two tokens a step); 0 = never."""
+        as decode rows (the draft model's catch-up of one or two tokens a step); 0 = never.
+        samples: False on a tensor-parallel worker other than rank 0: it runs the forward and the logits
+        (collectives every rank joins) and leaves sampling to rank 0."""
         self.model = model
+        self.samples = samples
+        self.input_batch = InputBatch()
         self.max_decode_rows_chunk = max_decode_rows_chunk
         argmax_kernel()  # the greedy kernel, built (once a machine) now rather than in the first request's step
         self.config = model_config
@@ -120,11 +126,11 @@ class ModelRunner:
             if req.request_id in rows_of:
                 drafts = spec.get(req.request_id)
                 if drafts:  # the last known token, then the drafts: every row samples
-                    input_ids.extend(req.token_ids_slice(start, start + 1))
+                    input_ids.extend(req.tokens(start, start + 1))
                     input_ids.extend(drafts)
                     first_sampling = start
                 else:  # a short chunk: its last row samples
-                    input_ids.extend(req.token_ids_slice(start, end))
+                    input_ids.extend(req.tokens(start, end))
                     first_sampling = end - 1
                 for p in range(start, end):
                     if p >= first_sampling:
@@ -143,7 +149,7 @@ class ModelRunner:
                 prompt_spans.append(
                     PromptLogprobsSpan(req.request_id, query_start_loc[-1], last - start, start + 1, num_top)
                 )
-            input_ids.extend(req.token_ids_slice(start, end))
+            input_ids.extend(req.tokens(start, end))
             positions.extend(range(start, end))
             slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_start_loc.append(query_start_loc[-1] + n)
@@ -177,8 +183,8 @@ class ModelRunner:
         """grammar_bitmask: (request ids, their token bitmasks) for the requests whose next token a grammar
         constrains (structured outputs): one row each, or for a request verifying k drafts k + 1 rows in
         a row (one per position, the matcher advanced over the drafts before it)."""
+        requests = self.input_batch.update(scheduler_output)
         self.copy_blocks(scheduler_output.blocks_to_copy)
-        requests = scheduler_output.scheduled_requests
         if not requests:
             return ModelRunnerOutput({}, {})
         spec = scheduler_output.scheduled_spec_decode_tokens
@@ -195,6 +201,8 @@ class ModelRunner:
         if len(sample_rows) < hidden.shape[0]:  # a pure decode step samples every row, in order
             hidden = hidden[sample_rows]
         logits = self.model.compute_logits(hidden, upcast=False)
+        if not self.samples:
+            return ModelRunnerOutput({}, {})
         if spec:
             return ModelRunnerOutput(
                 self._verify(logits, sampling_requests, spec, grammar_bitmask), prompt_logprobs

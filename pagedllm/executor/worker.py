@@ -1,0 +1,94 @@
+"""A tensor-parallel worker process: builds its rank's share of the model, then runs the steps it is sent.
+
+Every rank runs the same ModelRunner code on the same plain-data step; the collectives inside the model
+(all-reduce after o and down, all-gather of the logits) keep them in lockstep. Rank 0 samples and sends
+its ModelRunnerOutput back; the others send nothing per step. A worker ends when the engine sends None,
+when the engine's end of its pipe closes, or when a step fails (a peer died: gloo says so at once); it
+then reports the error, so the engine can end with it instead of waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+
+from pagedllm.config import CacheConfig
+
+logger = logging.getLogger("pagedllm")
+
+
+@dataclass
+class WorkerConfig:
+    """All a worker needs to build its shard: picklable."""
+
+    model_path: str
+    dtype: torch.dtype
+    quantization: str | None
+    cache_config: CacheConfig
+    tp_size: int
+    init_method: str  # tcp://127.0.0.1:PORT, where the ranks meet
+    num_threads: int
+    seed: int = 0
+
+
+def run_worker(rank: int, config: WorkerConfig, conn: Connection) -> None:
+    """The worker process's main function."""
+    from pagedllm import ops
+    from pagedllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+    from pagedllm.model.build import build_model
+    from pagedllm.model.fuse import fuse_for_inference
+    from pagedllm.model.tensor_parallel import shard_model
+    from pagedllm.worker.model_runner import ModelRunner
+
+    try:
+        torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        init_tensor_parallel(rank, config.tp_size, config.init_method)
+        ops.table()
+        model, model_config = build_model(config.model_path, config.dtype, config.quantization, False)
+        local = shard_model(model, model_config, rank, config.tp_size)
+        fuse_for_inference(model)
+        runner = ModelRunner(model, local, config.cache_config, config.dtype, samples=rank == 0)
+        conn.send(("ready", None))
+    except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises it
+        conn.send(("error", f"rank {rank} failed to start: {e!r}\n{traceback.format_exc()}"))
+        return
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:  # the engine is gone
+                break
+            if message is None:
+                break
+            scheduler_output, grammar_bitmask = message
+            try:
+                out = runner.execute_model(scheduler_output, grammar_bitmask)
+            except Exception as e:  # noqa: BLE001
+                conn.send(("error", f"rank {rank}: {e!r}"))
+                break
+            if rank == 0:
+                conn.send(("ok", out))
+    finally:
+        destroy_tensor_parallel()
+
+
+def main(argv: list[str]) -> None:
+    """`python -m pagedllm.executor.worker RANK FD`: FD is this worker's end of the engine's socket pair;
+    the first message on it is the WorkerConfig."""
+    logging.basicConfig(level=logging.WARNING, format=f"rank {argv[0]} %(levelname)s %(name)s: %(message)s")
+    conn = Connection(int(argv[1]))
+    try:
+        config = conn.recv()
+    except EOFError:
+        return
+    run_worker(int(argv[0]), config, conn)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
