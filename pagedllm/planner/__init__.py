@@ -22,6 +22,7 @@ from pagedllm.planner.memory import (
     kv_width,
     num_blocks_for,
     param_count,
+    param_count_per_rank,
     waste,
     weight_bytes,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "kv_width",
     "num_blocks_for",
     "param_count",
+    "param_count_per_rank",
     "waste",
     "weight_bytes",
 ]

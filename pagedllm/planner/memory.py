@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.partition import head_shards, split
 from pagedllm.errors import InputError
 
 # p: bytes per stored element.
@@ -187,3 +188,26 @@ def waste(max_len: int | None, block_size: int, seq_len: int) -> Waste:
     naive = m - s
     ratio = Fraction(naive, paged) if paged else None
     return Waste(s, bs, blocks, slots, paged, last, m, naive, ratio)
+
+
+def param_count_per_rank(config: ModelConfig, tp_size: int) -> list[int]:
+    """Parameters each of tp_size tensor-parallel ranks holds, split as pagedllm/distributed/partition.py
+    says: q/k/v and o by the rank's heads (head_shards), gate/up/down by its part of the intermediate size
+    and the embedding (and an untied lm_head) by its part of the vocabulary (split), the norms on every
+    rank. KV heads replicated over ranks count on each of them, so the sum can exceed param_count."""
+    d, hdim = config.hidden_size, config.head_dim
+    mlp_parts = split(config.intermediate_size, tp_size)
+    vocab_parts = split(config.vocab_size, tp_size)
+    vocab_copies = 1 if config.tie_word_embeddings else 2  # embedding, and lm_head unless tied
+    norms = config.num_layers * 2 * d + d  # two RMSNorms a layer and the final one, replicated
+    counts = []
+    for shard, (m0, m1), (v0, v1) in zip(
+        head_shards(config.num_heads, config.num_kv_heads, tp_size), mlp_parts, vocab_parts
+    ):
+        q, kv = shard.num_heads * hdim, shard.num_kv_heads * hdim
+        attn = d * q + 2 * d * kv + q * d
+        if config.attention_bias:
+            attn += q + 2 * kv
+        mlp = 3 * d * (m1 - m0)
+        counts.append(config.num_layers * (attn + mlp) + norms + vocab_copies * (v1 - v0) * d)
+    return counts

@@ -9,11 +9,22 @@ paged KV cache with as many blocks of the same block_size as the target's, block
 K/V for the same tokens. So every figure made of KV bytes a token (block, request, batch, waste, users
 that fit) uses target + draft bytes a token, and the weights in memory are the target's plus the draft's.
 Without draft inputs the plan is exactly what it was before they existed.
+
+Tensor parallelism (`--tensor-parallel-size N`, N > 1): the model is split over N devices exactly as
+pagedllm/distributed/partition.py says (its head_shards and split are used here, never restated). Every
+device holds the same number of KV blocks (one scheduler), each with the K/V of its own KV heads, so the
+device with the most KV heads binds: the figures `*_per_device` are that device's, and `--memory`,
+`--overhead` and the KV budget are per device. A request's KV is spread over all N devices, so the users
+that fit one device are the users that fit in all. The model-wide keys (kv_bytes_per_token, block_bytes,
+kv_bytes_per_request, weight_bytes, ...) keep their meaning; `*_in_all` keys add what the N devices hold
+together where it differs (memory N x a device's, KV heads replicated on several devices, norms on every
+one). With N = 1 (or no N) the plan is exactly what it was before.
 """
 
 from __future__ import annotations
 
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.partition import HeadShard, head_shards
 from pagedllm.errors import InputError
 from pagedllm.planner import memory as mem
 from pagedllm.units import parse_size
@@ -50,6 +61,8 @@ def build_plan(
     draft_weights: int | str | None = None,
     draft_weight_dtype: str | None = None,
     num_speculative_tokens: int | None = None,
+    num_heads: int | None = None,
+    tensor_parallel_size: int | None = None,
 ) -> dict:
     """Everything the inputs determine, as a flat dict of exact integers (plus a few ratios).
 
@@ -61,7 +74,12 @@ def build_plan(
     `draft_weight_dtype`) are counted with the target's. `num_speculative_tokens` k adds k KV slots to every
     running request (the positions a speculative step writes past the sequence); it applies with or without
     a draft model (ngram speculation needs the slots too).
+
+    `tensor_parallel_size` N > 1 splits the model over N devices (see the module's docstring) and adds the
+    per-device figures; `num_heads` (query heads) is needed for that only without `config` and when the
+    KV heads are fewer than N or come from `d_model` alone.
     """
+    tp = _tp_size(tensor_parallel_size)
     plan: dict = {}
     cfg = config
     if cfg:
@@ -95,6 +113,8 @@ def build_plan(
         plan.update(d_model=cfg.hidden_size, num_heads=cfg.num_heads)
     elif d_model is not None:
         plan["d_model"] = d_model
+    if num_heads is not None:
+        plan["num_heads"] = _whole(num_heads, "num_heads")
 
     context = cfg.max_position_embeddings if cfg else None
     seq_len_given, max_len_given = seq_len, max_len
@@ -157,9 +177,137 @@ def build_plan(
             "and --seq-len; see `pagedllm plan --help`",
             param="model",
         )
+    if tp > 1:
+        _plan_tp_kv(plan, tp, draft_config, w, slots)
 
-    _plan_memory(plan, memory, weights, weight_dtype, overhead, num_params, draft_weights, draft_weight_dtype)
+    _plan_memory(
+        plan,
+        memory,
+        weights,
+        weight_dtype,
+        overhead,
+        num_params,
+        draft_weights,
+        draft_weight_dtype,
+        tp_config=cfg if num_params is None else None,
+    )
     return {key: v for key, v in plan.items() if v is not None}
+
+
+def _whole(value, name: str) -> int:
+    """value when it is a whole number >= 1; InputError naming the flag otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputError(f"--{name.replace('_', '-')} must be a whole number >= 1, got {value!r}", param=name)
+    return value
+
+
+def _tp_size(value: int | None) -> int:
+    """N of --tensor-parallel-size (1 when not given)."""
+    return 1 if value is None else _whole(value, "tensor_parallel_size")
+
+
+def _tp_error(e: InputError) -> InputError:
+    """partition.py's error in the command's words (it names the keyword, the command has the flag)."""
+    text = str(e).replace("tensor_parallel_size", "--tensor-parallel-size")
+    return InputError(text, param="tensor_parallel_size")
+
+
+def _tp_shards(plan: dict, tp: int) -> list[HeadShard]:
+    """Every device's heads, from the plan's shape; with --d-model alone (plain multi-head attention) the
+    KV heads are the --num-heads query heads, each d_model / num_heads wide."""
+    kv, hdim, q, width = (plan.get(k) for k in ("num_kv_heads", "head_dim", "num_heads", "kv_width"))
+    if width is None:
+        raise InputError(
+            "--tensor-parallel-size splits the model's attention heads: give --model, or --num-layers with "
+            "--num-kv-heads and --head-dim",
+            param="tensor_parallel_size",
+        )
+    if kv is None:
+        if q is None:
+            raise InputError(
+                "--tensor-parallel-size splits the attention heads, which --d-model alone does not give: "
+                "add --num-heads (or give --num-kv-heads and --head-dim, or --model)",
+                param="tensor_parallel_size",
+            )
+        if width % q:
+            raise InputError(f"--d-model {width} is not a multiple of --num-heads {q}", param="num_heads")
+        kv, hdim = q, width // q
+        plan.update(num_kv_heads=kv, head_dim=hdim)
+    if q is None and kv < tp:
+        raise InputError(
+            f"--tensor-parallel-size {tp} is more than the {kv} KV heads, which are then replicated and their "
+            "query heads split among the copies: give --num-heads (or --model)",
+            param="num_heads",
+        )
+    if q is not None and q % kv:
+        raise InputError(f"--num-heads {q} is not a multiple of the {kv} KV heads", param="num_heads")
+    try:
+        # Without the query heads (fewer KV heads than devices is refused above) the KV split is the same
+        # for any group size: give one query head a KV head.
+        return head_shards(kv if q is None else q, kv, tp)
+    except InputError as e:
+        raise _tp_error(e) from None
+
+
+def _plan_tp_kv(
+    plan: dict, tp: int, draft: ModelConfig | None, w: mem.Waste | None, slots: int | None
+) -> None:
+    """The devices' heads and KV bytes: a token, a block and a request on the device that binds (the one with
+    the most KV heads), and a token and a request on all of them together (added to `plan`)."""
+    if draft is not None:
+        raise InputError(
+            "--tensor-parallel-size with --draft-model is not planned (how the draft is split is not "
+            "settled); plan them apart",
+            param="tensor_parallel_size",
+        )
+    shards = _tp_shards(plan, tp)
+    hdim = plan["head_dim"]
+    per_device = [
+        mem.kv_bytes_per_token(plan["num_layers"], s.num_kv_heads * hdim, plan["dtype"]) for s in shards
+    ]
+    dev, in_all = max(per_device), sum(per_device)
+    plan.update(
+        tensor_parallel_size=tp,
+        kv_heads_per_device=[s.num_kv_heads for s in shards],
+        kv_heads_on_binding_device=max(s.num_kv_heads for s in shards),
+        kv_bytes_per_token_per_device=dev,
+        kv_bytes_per_token_in_all=in_all,
+    )
+    if "num_heads" in plan:
+        plan["heads_per_device"] = [s.num_heads for s in shards]
+    if w is None:
+        return
+    block = mem.block_bytes(plan["block_size"], dev)
+    plan.update(
+        block_bytes_per_device=block,
+        kv_bytes_per_request_per_device=slots * dev,
+        kv_bytes_total_per_device=plan["batch"] * slots * dev,
+        kv_bytes_reserved_per_request_per_device=w.blocks_per_request * block,
+        kv_bytes_reserved_per_request_in_all=w.paged_slots * in_all,
+        paged_waste_bytes_per_device=w.paged_waste_tokens * dev,
+    )
+
+
+def _tp_weights(
+    plan: dict, weight_bytes: int, wdtype: str | None, cfg: ModelConfig | None
+) -> tuple[int, int]:
+    """(weights on the largest device, weights on all devices together) under tensor parallelism.
+
+    With the model's shape (`cfg`): its parameters per device (memory.param_count_per_rank) in --weight-dtype,
+    or a --weights total scaled by each device's share of the parameters. Without it (only --num-params or
+    --weights): weights / N a device, which the plan says it assumed."""
+    tp = plan["tensor_parallel_size"]
+    if cfg is None:
+        plan["weights_per_device_assumed"] = f"weights / {tp}, without the model's full shape"
+        return -(-weight_bytes // tp), weight_bytes
+    params = mem.param_count_per_rank(cfg, tp)
+    plan["num_params_per_device"] = max(params)
+    if wdtype is not None:
+        per_device = [mem.weight_bytes(p, wdtype) for p in params]
+        return max(per_device), sum(per_device)
+    plan["weights_per_device_assumed"] = "the --weights total times the device's share of the parameters"
+    total = plan["num_params"]
+    return -(-weight_bytes * max(params) // total), -(-weight_bytes * sum(params) // total)
 
 
 def _speculative_tokens(value: int | None) -> int:
@@ -251,9 +399,11 @@ def _plan_memory(
     num_params: int | None,
     draft_weights: int | str | None = None,
     draft_weight_dtype: str | None = None,
+    tp_config: ModelConfig | None = None,
 ) -> None:
     """Weights (the target's, plus a draft's), overhead and, with a memory budget, how many requests fit
-    (added to `plan`)."""
+    (added to `plan`). Under tensor parallelism the budget is a device's; `tp_config` is the model whose
+    shape the weights per device come from (None: weights / N)."""
     if weights is not None and weight_dtype is not None:
         raise InputError("give --weights or --weight-dtype, not both", param="weights")
     weight_bytes = _opt_size(weights, "weights")
@@ -274,7 +424,15 @@ def _plan_memory(
     if draft_bytes is not None:
         all_weights = (weight_bytes or 0) + draft_bytes
         plan.update(draft_weight_bytes=draft_bytes, total_weight_bytes=all_weights)
+    tp = plan.get("tensor_parallel_size", 1)
+    weights_in_all = all_weights
+    if tp > 1 and weight_bytes is not None:
+        all_weights, weights_in_all = _tp_weights(plan, weight_bytes, plan.get("weight_dtype"), tp_config)
+        plan.update(weight_bytes_per_device=all_weights, weight_bytes_in_all=weights_in_all)
     if memory_bytes is None:
+        return
+    if tp > 1:
+        _plan_tp_capacity(plan, memory_bytes, all_weights or 0, weights_in_all or 0, overhead_bytes or 0)
         return
     per_request = plan.get("kv_bytes_reserved_per_request")
     if per_request is None:
@@ -294,3 +452,36 @@ def _plan_memory(
     if "draft_kv_bytes_per_token" in plan:  # the pool the engine makes: each block holds both models' K/V
         per_model = [plan["kv_bytes_per_token"], plan["draft_kv_bytes_per_token"]]
         plan["num_blocks"] = mem.num_blocks_for(cap.kv_budget_bytes, plan["block_size"], per_model)
+
+
+def _plan_tp_capacity(plan: dict, memory: int, weights: int, weights_in_all: int, overhead: int) -> None:
+    """Users that fit N devices of `memory` each (weights a device, overhead a device): the device that binds
+    has the most KV heads and the largest share of the weights (partition.py gives the first ranks the
+    extra heads, rows and columns), and every device keeps as many blocks as it does."""
+    per_request = plan.get("kv_bytes_reserved_per_request_per_device")
+    if per_request is None:
+        raise InputError(
+            "--memory needs the KV size of one request: give the model (--model or --num-layers and --d-model) "
+            "and --seq-len",
+            param="memory",
+        )
+    tp = plan["tensor_parallel_size"]
+    try:
+        cap = mem.capacity(memory, per_request, weights, overhead)
+    except InputError as e:  # the weights do not fit: say that the figures are a device's
+        raise InputError(f"{e} (on each of the {tp} devices)", param=e.param) from None
+    budget_in_all = tp * (memory - overhead) - weights_in_all
+    plan.update(
+        memory_bytes=cap.memory_bytes,
+        kv_budget_bytes=cap.kv_budget_bytes,
+        max_concurrent_requests=cap.max_concurrent,
+        leftover_bytes=cap.leftover_bytes,
+        batch_fits=plan["batch"] <= cap.max_concurrent,
+        num_blocks_per_device=mem.num_blocks_for(
+            cap.kv_budget_bytes, plan["block_size"], [plan["kv_bytes_per_token_per_device"]]
+        ),
+        memory_bytes_in_all=tp * memory,
+        kv_budget_bytes_in_all=budget_in_all,
+        leftover_bytes_in_all=budget_in_all
+        - cap.max_concurrent * plan["kv_bytes_reserved_per_request_in_all"],
+    )

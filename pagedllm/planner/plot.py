@@ -80,14 +80,18 @@ def _draw_memory(ax, plan: dict) -> None:
         )
         left += size / gib
 
-    if plan.get("weight_bytes"):
-        seg(plan["weight_bytes"], WEIGHTS, f"weights {format_size(plan['weight_bytes'])}")
+    # Under tensor parallelism the bar is one device (the one that binds): its weights, blocks and budget.
+    tp = plan.get("tensor_parallel_size", 1)
+    weights = plan.get("weight_bytes_per_device", plan.get("weight_bytes"))
+    if weights:
+        seg(weights, WEIGHTS, f"weights {format_size(weights)}")
     if plan.get("draft_weight_bytes"):  # a speculative draft model's weights, beside the target's
         draft = plan["draft_weight_bytes"]
         seg(draft, WEIGHTS, f"draft weights {format_size(draft)}", hatch="xx")
     if plan.get("overhead_bytes"):
         seg(plan["overhead_bytes"], OVERHEAD, f"overhead {format_size(plan['overhead_bytes'])}")
-    users, per = plan["max_concurrent_requests"], plan["kv_bytes_reserved_per_request"]
+    users = plan["max_concurrent_requests"]
+    per = plan.get("kv_bytes_reserved_per_request_per_device", plan["kv_bytes_reserved_per_request"])
     label = f"KV: {users} requests x {format_size(per)}"
     if users <= MAX_USER_SEGMENTS:
         for i in range(users):
@@ -100,5 +104,6 @@ def _draw_memory(ax, plan: dict) -> None:
     ax.set_xlabel("GiB")
     ax.set_title(
         f"memory {format_size(plan['memory_bytes'])}: KV budget {format_size(plan['kv_budget_bytes'])}"
+        + (f" (a device of {tp}, tensor parallel)" if tp > 1 else "")
     )
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)  # beside the bar

@@ -92,6 +92,8 @@ def format_plan(plan: dict) -> str:
             if "waste_ratio" in plan:
                 naive += f", {plan['waste_ratio']:.1f}x the paged waste"
             lines.append(row("naive layout", naive))
+    if "tensor_parallel_size" in plan:
+        return "\n".join(lines + _tp_lines(plan, row))
     if "memory_bytes" in plan:
         lines.append(f"memory {_size(plan['memory_bytes'])}")
         if "weight_bytes" in plan:
@@ -144,3 +146,96 @@ def _draft_weights(plan: dict, row) -> list[str]:
         row("draft weights", _size(plan["draft_weight_bytes"]) + how),
         row("weights in all", _size(plan["total_weight_bytes"])),
     ]
+
+
+def _per_device(counts: list[int]) -> str:
+    """[2, 1] -> "2, 1"; [1, 1, 1, 1] -> "1 each"; many uneven devices -> "2 on 3 devices, 1 on 5"."""
+    if len(set(counts)) == 1:
+        return f"{counts[0]} each"
+    if len(counts) <= 8:
+        return ", ".join(map(str, counts))
+    runs = [(v, counts.count(v)) for v in sorted(set(counts), reverse=True)]
+    return ", ".join(f"{v} on {_n(k, 'device')}" for v, k in runs)
+
+
+def _tp_lines(plan: dict, row) -> list[str]:
+    """Tensor parallelism: the KV figures of the device that binds, then the memory a device and in all."""
+    n, p = plan["tensor_parallel_size"], plan["bytes_per_element"]
+    heads = plan["kv_heads_on_binding_device"]
+    lines = [
+        f"tensor parallel over {n} devices: heads by KV-head groups, MLP and vocabulary split, norms on every "
+        "device"
+    ]
+    split = f"KV {_per_device(plan['kv_heads_per_device'])}"
+    if len(set(plan["kv_heads_per_device"])) > 1:
+        split += f" (every device keeps as many blocks as the one with {heads} KV heads)"
+    if "heads_per_device" in plan:
+        split = f"query {_per_device(plan['heads_per_device'])}; " + split
+    lines.append(row("heads per device", split))
+    per_token = (
+        f"{_size(plan['kv_bytes_per_token_per_device'])} = 2 x {plan['num_layers']} layers "
+        f"x {_n(heads, 'KV head')} x {plan['head_dim']} x {p:g} bytes"
+    )
+    if plan["kv_bytes_per_token_in_all"] != plan["kv_bytes_per_token"]:  # KV heads replicated
+        per_token += f"; {plan['kv_bytes_per_token_in_all']:,} bytes in all"
+    lines.append(row("per token per device", per_token))
+    if "block_bytes_per_device" in plan:
+        lines.append(row("one block per device", _size(plan["block_bytes_per_device"])))
+        lines.append(
+            row(
+                "a request per device",
+                f"holds {_size(plan['kv_bytes_reserved_per_request_per_device'])}, "
+                f"{plan['paged_waste_bytes_per_device']:,} bytes of it unused",
+            )
+        )
+        if plan["batch"] > 1:
+            lines.append(
+                row(f"batch of {plan['batch']} per device", _size(plan["kv_bytes_total_per_device"]))
+            )
+    if "memory_bytes" in plan:
+        lines.append(
+            f"memory {_size(plan['memory_bytes'])} a device, {_size(plan['memory_bytes_in_all'])} in all"
+        )
+    elif "weight_bytes_per_device" in plan:
+        lines.append(f"weights over {n} devices")
+    if "weight_bytes_per_device" in plan:
+        how = f" ({plan['num_params']:,} params in {plan['weight_dtype']})" if "weight_dtype" in plan else ""
+        lines.append(row("weights of the model", _size(plan["weight_bytes"]) + how))
+        if "weights_per_device_assumed" in plan:
+            how = f" (assumed: {plan['weights_per_device_assumed']})"
+        else:
+            how = f" ({plan['num_params_per_device']:,} params, the largest device's share)"
+        lines.append(row("weights per device", _size(plan["weight_bytes_per_device"]) + how))
+        if plan["weight_bytes_in_all"] != plan["weight_bytes"]:
+            lines.append(
+                row(
+                    "weights in all",
+                    f"{_size(plan['weight_bytes_in_all'])}: norms (and shared KV heads) on each device",
+                )
+            )
+    if "memory_bytes" not in plan:
+        return lines
+    if "overhead_bytes" in plan:
+        lines.append(row("overhead per device", _size(plan["overhead_bytes"])))
+    lines.append(row("KV budget per device", _size(plan["kv_budget_bytes"])))
+    users = plan["max_concurrent_requests"]
+    lines.append(
+        row(
+            "max concurrent requests",
+            f"{users} at {_size(plan['kv_bytes_reserved_per_request_per_device'])} each a device; "
+            f"{users} in all too: each request's KV is spread over the {n} devices",
+        )
+    )
+    lines.append(
+        row(
+            "KV blocks per device",
+            f"{plan['num_blocks_per_device']:,} of {plan['block_bytes_per_device']:,} bytes",
+        )
+    )
+    lines.append(
+        row(
+            "left idle per device",
+            f"{_size(plan['leftover_bytes'])}; {_size(plan['leftover_bytes_in_all'])} in all",
+        )
+    )
+    return lines

@@ -32,6 +32,8 @@ examples:
   pagedllm plan --model path/to/target --draft-model default --num-speculative-tokens 4 \\
                 --weight-dtype fp16 --memory 24GiB --seq-len 2048
       speculative decoding: the draft's weights and KV (in the same blocks) count against the budget
+  pagedllm plan --model default --tensor-parallel-size 2 --weight-dtype fp16 --memory 2GiB --seq-len 4096
+      tensor parallelism: weights and KV per device (--memory is one device's), users that fit
 
 The KV cache keeps one Key and one Value vector per token and layer:
   kv_bytes = 2 * batch * seq_len * num_layers * kv_width * bytes_per_element
@@ -67,6 +69,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--head-dim", type=int, metavar="D", help="width of one head; kv_width = num_kv_heads * head_dim"
+    )
+    m.add_argument(
+        "--num-heads",
+        type=int,
+        metavar="H",
+        help="query heads, for --tensor-parallel-size without --model (with --d-model alone, or fewer KV heads "
+        "than devices)",
     )
     m.add_argument(
         "--num-params", type=int, metavar="N", help="parameter count, for --weight-dtype without --model"
@@ -107,6 +116,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         type=int,
         metavar="N",
         help="tokens proposed a step: N more KV slots for every running request",
+    )
+    t = p.add_argument_group("tensor parallelism (the model split over devices)")
+    t.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        metavar="N",
+        help="devices the model is split over: weights and KV per device, --memory and --overhead are a "
+        "device's (default 1)",
     )
     g = p.add_argument_group("memory budget")
     g.add_argument(
@@ -185,6 +202,8 @@ def plan_from_args(args: argparse.Namespace) -> dict:
         draft_weights=args.draft_weights,
         draft_weight_dtype=args.draft_weight_dtype,
         num_speculative_tokens=args.num_speculative_tokens,
+        num_heads=args.num_heads,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -197,15 +216,19 @@ def _none_fit(plan: dict) -> str | None:
     that does fit (whole blocks); None when one fits or no budget was given. Adds the bytes to `plan`."""
     if plan.get("max_concurrent_requests") != 0:
         return None
-    need, budget = plan["kv_bytes_reserved_per_request"], plan["kv_budget_bytes"]
+    # Under tensor parallelism the budget is a device's, and so are the request's and the block's bytes.
+    need = plan.get("kv_bytes_reserved_per_request_per_device", plan["kv_bytes_reserved_per_request"])
+    block, budget = plan.get("block_bytes_per_device", plan["block_bytes"]), plan["kv_budget_bytes"]
     plan["kv_bytes_missing"] = missing = need - budget
     spec = plan.get("num_speculative_tokens", 0) if "kv_slots_per_request" in plan else 0
     with_spec = f" (with its {spec} speculative slots)" if spec else ""
+    if "tensor_parallel_size" in plan:
+        with_spec += " on each device"
     line = (
         f"  none fit: one {plan['seq_len']}-token request{with_spec} needs {_bytes(need)} of KV cache, "
         f"{_bytes(missing)} more than the budget"
     )
-    slots = budget // plan["block_bytes"] * plan["block_size"]
+    slots = budget // block * plan["block_size"]
     longest = slots - spec  # a running request keeps the speculative slots past its tokens
     if longest > 0:
         return line + f"; the budget holds one request of up to {longest} tokens (--seq-len {longest})"
