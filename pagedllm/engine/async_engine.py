@@ -227,6 +227,9 @@ class AsyncEngine:
         self._stop.set()
         self._commands.put(("wake", None))
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, max(1.0, timeout))
+        stop_workers = getattr(self.engine, "shutdown", None)  # tensor-parallel worker processes
+        if stop_workers is not None and not self._thread.is_alive():
+            stop_workers()
 
     # ------------------------------------------------------------------ loop thread
 

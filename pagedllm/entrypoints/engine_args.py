@@ -188,6 +188,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "vocabulary); greedy outputs stay the same token for token, sampled ones keep their distribution "
         "(default: off)",
     )
+    g.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N worker processes on this machine (torch.distributed, gloo): heads, MLP "
+        "and vocabulary, each rank with its share of the KV cache; --kv-cache-memory is per rank (default: 1)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -205,4 +214,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_dtype=args.kv_cache_dtype,
         quantization=args.quantization,
         speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
