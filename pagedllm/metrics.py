@@ -6,11 +6,15 @@ Two sources:
   values are never stale and never need the engine itself (which only the loop thread may touch);
 - per-request events (tokens, latencies, finish reasons) are recorded by the engine loop thread
   through on_output / on_abort. prometheus_client's metrics are thread-safe.
+
+With data-parallel replicas (engine/data_parallel.py) get_stats returns one snapshot per replica, keyed by
+its label, and every engine and request metric carries a `replica` label; `pagedllm:replica_up` says
+which replicas are alive.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -42,46 +46,71 @@ class _EngineStatsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self.get_stats()
-
-        def value(name: str) -> float:
-            return float(getattr(stats, name, 0) or 0) if stats is not None else 0.0
-
-        gauges = [
-            ("num_requests_running", "Requests in the running batch.", "num_running"),
-            ("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
-            ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", "kv_cache_usage"),
-            ("kv_cache_blocks_total", "KV-cache blocks in the pool.", "num_blocks_total"),
-            ("kv_cache_blocks_free", "KV-cache blocks free to allocate.", "num_free_blocks"),
-        ]
-        for name, doc, attr in gauges:
-            yield GaugeMetricFamily(PREFIX + name, doc, value=value(attr))
-        counters = [
-            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
-            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
-            ("num_preemptions", "Requests preempted to free KV-cache blocks.", "num_preemptions"),
-        ]
-        for name, doc, attr in counters:
-            yield CounterMetricFamily(PREFIX + name, doc, value=value(attr))
-        yield from _spec_decode_metrics(getattr(stats, "spec_decode", None))
+        if not isinstance(stats, Mapping):
+            yield from _engine_metrics({None: stats})
+            return
+        up = GaugeMetricFamily(
+            PREFIX + "replica_up", "1 while the engine replica is alive.", labels=["replica"]
+        )
+        for label, replica_stats in stats.items():
+            up.add_metric([label], 0.0 if replica_stats is None else 1.0)
+        yield up
+        yield from _engine_metrics({k: v for k, v in stats.items() if v is not None})
 
 
-def _spec_decode_metrics(spec: Any) -> Iterator[Metric]:
-    """vLLM's speculative-decoding counters; absent while speculation is off (as in vLLM)."""
-    if spec is None:
+def _engine_metrics(by_replica: Mapping[str | None, Any]) -> Iterator[Metric]:
+    """The engine gauges and counters; label None: one engine, unlabelled; else a `replica` label each."""
+    labels = [] if None in by_replica else ["replica"]
+
+    def family(kind: type, name: str, doc: str, extra: Sequence[str] = ()) -> Any:
+        return kind(PREFIX + name, doc, labels=[*labels, *extra])
+
+    def value(stats: Any, name: str) -> float:
+        return float(getattr(stats, name, 0) or 0) if stats is not None else 0.0
+
+    def key(label: str | None) -> list[str]:
+        return [] if label is None else [label]
+
+    gauges = [
+        ("num_requests_running", "Requests in the running batch.", "num_running"),
+        ("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+        ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", "kv_cache_usage"),
+        ("kv_cache_blocks_total", "KV-cache blocks in the pool.", "num_blocks_total"),
+        ("kv_cache_blocks_free", "KV-cache blocks free to allocate.", "num_free_blocks"),
+    ]
+    counters = [
+        ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+        ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+        ("num_preemptions", "Requests preempted to free KV-cache blocks.", "num_preemptions"),
+    ]
+    for kind, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+        for name, doc, attr in rows:
+            metric = family(kind, name, doc)
+            for label, stats in by_replica.items():
+                metric.add_metric(key(label), value(stats, attr))
+            yield metric
+    # vLLM's speculative-decoding counters; absent while speculation is off (as in vLLM)
+    specs = {k: s.spec_decode for k, s in by_replica.items() if getattr(s, "spec_decode", None) is not None}
+    if not specs:
         return
     for name, doc in (
         ("spec_decode_num_drafts", "Verify steps of a request with draft tokens."),
         ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
         ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
     ):
-        yield CounterMetricFamily(PREFIX + name, doc, value=getattr(spec, name.removeprefix("spec_decode_")))
-    per_pos = CounterMetricFamily(
-        PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        metric = family(CounterMetricFamily, name, doc)
+        for label, spec in specs.items():
+            metric.add_metric(key(label), getattr(spec, name.removeprefix("spec_decode_")))
+        yield metric
+    per_pos = family(
+        CounterMetricFamily,
+        "spec_decode_num_accepted_tokens_per_pos",
         "Draft tokens accepted, by position in the draft (0 = the first guess).",
-        labels=["position"],
+        ["position"],
     )
-    for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
-        per_pos.add_metric([str(pos)], n)
+    for label, spec in specs.items():
+        for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+            per_pos.add_metric([*key(label), str(pos)], n)
     yield per_pos
 
 
@@ -90,61 +119,81 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, get_stats: Callable[[], Any] | None = None):
+    def __init__(self, get_stats: Callable[[], Any] | None = None, replicas: Sequence[str] | None = None):
+        """replicas: the labels of data-parallel replicas; every request metric then has a `replica` label
+        (on_output and on_abort say which), and get_stats returns one snapshot per replica."""
         self.registry = CollectorRegistry()
+        self.replicas = list(replicas) if replicas else None
         r = self.registry
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", registry=r)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=r)
+        by = ["replica"] if self.replicas else []
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", by, registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", by, registry=r)
         self.request_success = Counter(
             PREFIX + "request_success",
             "Finished completions (one per choice), by finish reason.",
-            ["finished_reason"],
+            ["finished_reason", *by],
             registry=r,
         )
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds",
             "Arrival to first generated token.",
+            by,
             buckets=_TTFT_BUCKETS,
             registry=r,
         )
         self.itl = Histogram(
             PREFIX + "inter_token_latency_seconds",
             "Time between two consecutive outputs of a request.",
+            by,
             buckets=_ITL_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
             PREFIX + "e2e_request_latency_seconds",
             "Arrival to finish of a request.",
+            by,
             buckets=_E2E_BUCKETS,
             registry=r,
         )
-        for reason in ("stop", "length", "abort"):  # show zeros before the first request
-            self.request_success.labels(finished_reason=reason)
+        for replica in self.replicas or [None]:  # show zeros before the first request
+            for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e):
+                self._child(metric, replica)
+            for reason in ("stop", "length", "abort"):
+                self._child(self.request_success, replica, finished_reason=reason)
         if get_stats is not None:
             self.attach_engine_stats(get_stats)
+
+    def _child(self, metric: Any, replica: str | None, **labels: str) -> Any:
+        """The metric itself, or its child for these labels (and the replica's, when there are replicas)."""
+        if self.replicas is not None:
+            labels["replica"] = replica or ""
+        return metric.labels(**labels) if labels else metric
 
     def attach_engine_stats(self, get_stats: Callable[[], Any]) -> None:
         self.registry.register(_EngineStatsCollector(get_stats))
 
-    # Called by AsyncEngine on its loop thread. `timing` is that request's _RequestTiming *before*
-    # this output is accounted (so num_outputs == 0 means this is the first output).
-    def on_output(self, output: Any, new_tokens: int, timing: Any, now: float) -> None:
+    # Called by AsyncEngine on its loop thread (by DataParallelEngine on the server's event loop, with the
+    # replica's label). `timing` is that request's _RequestTiming *before* this output is accounted (so
+    # num_outputs == 0 means this is the first output).
+    def on_output(
+        self, output: Any, new_tokens: int, timing: Any, now: float, replica: str | None = None
+    ) -> None:
         if timing.num_outputs == 0:
-            self.prompt_tokens.inc(len(output.prompt_token_ids or []))
+            self._child(self.prompt_tokens, replica).inc(len(output.prompt_token_ids or []))
         if new_tokens > 0:
-            self.generation_tokens.inc(new_tokens)
+            self._child(self.generation_tokens, replica).inc(new_tokens)
             if timing.first_token is None:
-                self.ttft.observe(now - timing.arrival)
+                self._child(self.ttft, replica).observe(now - timing.arrival)
             else:
-                self.itl.observe(now - timing.last_token)
+                self._child(self.itl, replica).observe(now - timing.last_token)
         if output.finished:
-            self.e2e.observe(now - timing.arrival)
+            self._child(self.e2e, replica).observe(now - timing.arrival)
             for choice in output.outputs:
-                self.request_success.labels(finished_reason=choice.finish_reason or "abort").inc()
+                reason = choice.finish_reason or "abort"
+                self._child(self.request_success, replica, finished_reason=reason).inc()
 
-    def on_abort(self, request_id: str) -> None:
-        self.request_success.labels(finished_reason="abort").inc()
+    def on_abort(self, request_id: str, replica: str | None = None) -> None:
+        self._child(self.request_success, replica, finished_reason="abort").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -68,6 +68,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     for flag, field, text in TIMEOUT_FLAGS:
         g.add_argument(flag, type=float, default=getattr(d, field), help=f"{text} (default: %(default)s)")
+    dp = parser.add_argument_group("data parallelism (engine replicas on Ray; pip install 'pagedllm[ray]')")
+    dp.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="engine replicas, each a Ray actor in its own process with its own engine, behind this one "
+        "front end; a request goes to the replica that already holds its prefix, else the least loaded "
+        "(default: 1, no Ray)",
+    )
+    dp.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="join the Ray cluster at ADDR (host:port of its head) instead of starting a local Ray",
+    )
+    dp.add_argument(
+        "--replica-num-cpus",
+        type=float,
+        default=1.0,
+        metavar="N",
+        help="CPUs Ray reserves for each replica; also its torch threads unless --threads says (default: 1)",
+    )
     add_engine_args(parser)
 
 
@@ -100,3 +123,39 @@ def make_engine(args: argparse.Namespace) -> Any:
 
     apply_threads(args)  # `python -m ...server` does not pass through the CLI's main, which applies it
     return LLMEngine(**engine_kwargs(args))
+
+
+def uses_ray(args: argparse.Namespace) -> bool:
+    """Whether the options ask for engine replicas on Ray (checked: InputError naming the flag, with exit 2
+    from the CLI, when N < 1 or ray is not installed)."""
+    size = getattr(args, "data_parallel_size", 1)
+    if size < 1:
+        raise InputError(f"--data-parallel-size must be at least 1, got {size}", param="--data-parallel-size")
+    address = getattr(args, "ray_address", None)
+    if size == 1 and not address:
+        return False
+    cpus = getattr(args, "replica_num_cpus", 1.0)
+    if not cpus > 0 or cpus == float("inf"):
+        raise InputError(
+            f"--replica-num-cpus must be a positive number, got {cpus}", param="--replica-num-cpus"
+        )
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        flag = "--data-parallel-size" if size > 1 else "--ray-address"
+        raise InputError(f"{flag} needs ray: pip install 'pagedllm[ray]' (or ray>=2.9)", param=flag)
+    return True
+
+
+def make_data_parallel_engine(args: argparse.Namespace) -> Any:
+    """A DataParallelEngine of --data-parallel-size replicas, each built from the same engine options."""
+    from pagedllm.engine.data_parallel import DataParallelEngine
+
+    return DataParallelEngine(
+        engine_kwargs(args),
+        args.data_parallel_size,
+        ray_address=args.ray_address,
+        max_num_waiting=args.max_num_waiting,
+        num_cpus_per_replica=args.replica_num_cpus,
+        threads=args.threads,
+    )

@@ -25,7 +25,13 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.engine.async_engine import AsyncEngine
-from pagedllm.entrypoints.openai.cli_args import add_arguments, http_limits, make_engine
+from pagedllm.entrypoints.openai.cli_args import (
+    add_arguments,
+    http_limits,
+    make_data_parallel_engine,
+    make_engine,
+    uses_ray,
+)
 from pagedllm.entrypoints.openai.errors import error_response, install_error_handlers
 from pagedllm.entrypoints.openai.limits import (
     BodyLimitMiddleware,
@@ -89,6 +95,8 @@ SSE = {
 
 class HealthResponse(BaseModel):
     status: Literal["ok"] = "ok"
+    # with --data-parallel-size: each replica's label, alive, pid, node_id and in_flight
+    replicas: list[dict[str, Any]] | None = None
 
 
 def _respond(result: Any) -> Response:
@@ -150,7 +158,7 @@ def build_app(
     tool_call_parser: str = "hermes",
     limits: HTTPLimits | None = None,
 ) -> FastAPI:
-    metrics = ServerMetrics(engine.get_stats)
+    metrics = ServerMetrics(engine.get_stats, replicas=getattr(engine, "replica_labels", None))
     engine.observer = metrics  # the loop thread records tokens and latencies as outputs arrive
     completions = OpenAIServingCompletion(engine, served_model_names)
     chat = OpenAIServingChat(engine, served_model_names, tool_call_parser=tool_call_parser)
@@ -173,11 +181,12 @@ def build_app(
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(InternalErrorMiddleware)
 
-    @app.get("/health", responses=_errors(503))
+    @app.get("/health", responses=_errors(503), response_model_exclude_none=True)
     async def health() -> HealthResponse:
         if not engine.is_running:
             return error_response("the engine loop is not running", 503)
-        return HealthResponse()
+        replicas = getattr(engine, "health", None)  # data-parallel replicas (engine/data_parallel.py)
+        return HealthResponse(replicas=replicas() if replicas is not None else None)
 
     @app.get("/version", responses=READ_ERRORS)
     async def version() -> VersionResponse:
@@ -336,12 +345,25 @@ def run_server(args: argparse.Namespace) -> int:
             # 143) even though it drained cleanly; a supervisor should see 0. SIGINT is left as it is.
             self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
+        async def on_tick(self, counter: int) -> bool:
+            # Ray (--data-parallel-size) installs its own handler of fatal signals, SIGTERM among them, when
+            # the engine starts; take SIGINT and SIGTERM back (here on the main thread) so that they drain.
+            if data_parallel and gate.async_engine is not None and not self._signals_restored:
+                self._signals_restored = True
+                if threading.current_thread() is threading.main_thread():
+                    for sig in (signal.SIGINT, signal.SIGTERM):
+                        signal.signal(sig, self.handle_exit)
+            return await super().on_tick(counter)
+
+        _signals_restored = False
+
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     name = args.served_model_name or args.model
     # lifespan off: the real app arrives after uvicorn's startup; DrainingServer stops its engine instead
     limits = http_limits(args)
+    data_parallel = uses_ray(args)  # checked before listening: a bad value or missing ray is exit 2
     config = uvicorn.Config(
         gate,
         host=args.host,
@@ -357,9 +379,12 @@ def run_server(args: argparse.Namespace) -> int:
 
     def load() -> None:
         try:
-            engine = make_engine(args)
-            engine.warm_up()
-            gate.async_engine = AsyncEngine(engine, max_num_waiting=args.max_num_waiting)
+            if data_parallel:  # replicas on Ray, each loaded and warmed up in its own process
+                gate.async_engine = make_data_parallel_engine(args)
+            else:
+                engine = make_engine(args)
+                engine.warm_up()
+                gate.async_engine = AsyncEngine(engine, max_num_waiting=args.max_num_waiting)
             gate.app = build_app(
                 gate.async_engine,
                 served_model_names=[name],
