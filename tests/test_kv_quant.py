@@ -71,8 +71,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 # A quantized cache may only flip a token where the bf16 reference itself has a near tie: on avx2 the
 # third prompt's token 5 has bf16's two best tokens one bf16 logit step apart (0.031 nats; the same pair
-# fp32 separates by 0.101), and int8 K/V take fp32's side.
-REF_TIE_NATS = 0.05
+# fp32 separates by 0.101), and int8 K/V take fp32's side. On avx512_bf16 (AMD Zen 4/5: native bf16 dot
+# products in the attention and the linears) the second prompt's token 5 flips instead, where bf16's gap
+# is two logit steps (0.0625 nats) and int8's 0.031: so a tie is up to two steps of a logit near 8.
+REF_TIE_NATS = 0.07
 
 
 def _agrees_up_to_ties(got: list[int], ref, n: int) -> bool:
