@@ -30,6 +30,17 @@ _FINISH_REASONS = {
 }
 
 
+def token_ids_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
+    """(prompt + output)[start:end] without concatenating the whole sequence (a decode step asks every
+    running request for its one new token)."""
+    p = len(prompt)
+    if start >= p:
+        return output[start - p : end - p]
+    if end <= p:
+        return prompt[start:end]
+    return prompt[start:] + output[: end - p]
+
+
 @dataclass(eq=False)  # identity equality: two requests with equal fields are still two requests
 class Request:
     request_id: str
@@ -64,14 +75,7 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
-        """all_token_ids[start:end] without concatenating the whole sequence (a decode step asks every
-        running request for its one new token)."""
-        p = len(self.prompt_token_ids)
-        if start >= p:
-            return self.output_token_ids[start - p : end - p]
-        if end <= p:
-            return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+        return token_ids_slice(self.prompt_token_ids, self.output_token_ids, start, end)
 
     @property
     def num_tokens(self) -> int:

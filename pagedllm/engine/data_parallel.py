@@ -48,6 +48,7 @@ from pagedllm.engine.async_engine import (
     EngineBusyError,
     EngineClosedError,
     RequestFailedError,
+    RequestStream,
     _RequestTiming,
 )
 from pagedllm.engine.prefix_router import PrefixRouter
@@ -187,44 +188,6 @@ class _Request:
     submitting: bool = False  # add_request to a replica is in flight (the submitter handles its death)
     done: bool = False
     tried: set[int] = field(default_factory=set)
-
-
-class DPRequestStream:
-    """Async iterator over one request's cumulative RequestOutputs: AsyncEngine's RequestStream, over Ray.
-
-    Closing it before the end aborts the request on its replica.
-    """
-
-    def __init__(self, engine: DataParallelEngine, request: _Request):
-        self.engine = engine
-        self.request_id = request.request_id
-        self._request = request
-        self.finished = False
-
-    def __aiter__(self) -> DPRequestStream:
-        return self
-
-    async def __anext__(self) -> Any:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._request.queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-    def close(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self.engine.abort(self.request_id)
-
-    async def __aenter__(self) -> DPRequestStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
 
 
 class _RayOwner:
@@ -412,7 +375,7 @@ class DataParallelEngine:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
-    ) -> DPRequestStream:
+    ) -> RequestStream:
         """Route and queue a request; raises InputError / EngineBusyError / EngineClosedError here."""
         if not self._accepting or not self.is_running:
             raise EngineClosedError("the engine is shutting down and takes no new requests")
@@ -435,7 +398,7 @@ class DataParallelEngine:
         except BaseException:
             self._drop(request)
             raise
-        return DPRequestStream(self, request)
+        return RequestStream(self, request.request_id, request)  # it reads request.queue, calls self.abort
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm.core.request import token_ids_slice
 from pagedllm.core.scheduler_output import NewRequestData, SchedulerOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -55,12 +56,8 @@ class CachedRequestState:
         return len(self.output_token_ids)
 
     def tokens(self, start: int, end: int) -> list[int]:
-        """Token ids [start, end) of prompt + output, without joining the two lists."""
-        p = len(self.prompt_token_ids)
-        if end <= p:
-            return self.prompt_token_ids[start:end]
-        head = self.prompt_token_ids[start:] if start < p else []
-        return head + self.output_token_ids[max(start - p, 0) : end - p]
+        """Token ids [start, end) of prompt + output."""
+        return token_ids_slice(self.prompt_token_ids, self.output_token_ids, start, end)
 
 
 class InputBatch:
