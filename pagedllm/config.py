@@ -21,7 +21,9 @@ class ModelConfig:
     rope_scaling: dict | None = None  # HF style, e.g. {"rope_type": "llama3", "factor": 8.0, ...}
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2 has q/k/v bias
+    attention_bias: bool = False  # q/k/v have a bias (Qwen2; Llama with attention_bias)
+    o_proj_bias: bool = False  # o_proj has a bias (Llama and Qwen3 with attention_bias; never Qwen2)
+    qk_norm: bool = False  # an RMSNorm over each head's q and k before rotary (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     architecture: str = "llama"

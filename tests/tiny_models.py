@@ -11,11 +11,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 # Shapes the logits tests use; GQA in both, head_dim 16 and 32.
 TINY_LLAMA = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 TINY_QWEN2 = dict(hidden_size=96, num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=1)
+# head_dim 24 is not hidden / heads (16), as in the real Qwen3 models (head_dim 128 everywhere)
+TINY_QWEN3 = dict(
+    hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=24
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -92,6 +103,19 @@ def save_tiny_qwen2(
     kwargs.setdefault("tie_word_embeddings", True)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(Qwen2Config(**kwargs)).eval()
+    _randomize(model, seed)
+    return _save(model, Path(path), max_shard_size)
+
+
+def save_tiny_qwen3(
+    path: str | Path, seed: int = 0, max_shard_size: str | int | None = None, **config_overrides: Any
+) -> Path:
+    """Write a random Qwen3ForCausalLM (TINY_QWEN3 shape: q/k norms, head_dim 24, no bias, tied
+    embeddings) to `path`. The q/k norm weights are drawn around 1 like every other norm."""
+    kwargs = _config_kwargs(TINY_QWEN3, config_overrides)
+    kwargs.setdefault("tie_word_embeddings", True)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(Qwen3Config(**kwargs)).eval()
     _randomize(model, seed)
     return _save(model, Path(path), max_shard_size)
 

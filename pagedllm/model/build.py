@@ -18,7 +18,7 @@ import torch
 from pagedllm.config import ModelConfig
 from pagedllm.errors import InputError
 from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.model.loader import load_checkpoint
+from pagedllm.model.loader import load_checkpoint, registry
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,15 @@ RTN_SCHEMES: dict[str, tuple[int, int | None]] = {
     "int4-g64": (4, 64),
     "int4-g128": (4, 128),
 }
+# registry.Architecture.model_class -> the class; every family is one Llama-family definition today
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {"LlamaForCausalLM": LlamaForCausalLM}
+
+
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The class that builds a model of `config`'s architecture (its registry entry names it)."""
+    return MODEL_CLASSES[registry.get(config.architecture).model_class]
+
+
 QUANTIZATION_CHOICES = (*RTN_SCHEMES, "gguf")
 ENGINE_QUANTIZATION_CHOICES = ("auto", "none", *QUANTIZATION_CHOICES)
 
@@ -75,7 +84,7 @@ def build_model(
     else:
         ckpt = load_checkpoint(path, show_progress=show_progress, keep_quantized=quantization == "gguf")
         config = ckpt.config
-        model = LlamaForCausalLM.from_weights(config, ckpt.weights, dtype)
+        model = model_class(config).from_weights(config, ckpt.weights, dtype)
         if quantization == "gguf":
             if ckpt.format != "gguf":
                 raise InputError(

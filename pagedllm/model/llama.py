@@ -1,4 +1,6 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2) over a paged KV cache.
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2, Qwen3) over a paged KV
+cache. The families differ in features the config names (model/loader/registry.py): q/k/v and o biases,
+and Qwen3's RMSNorm over each head's q and k (q_norm / k_norm, None where the family has none).
 
 The model sees one flat batch of new tokens from many sequences; it knows nothing of requests. K/V are
 written to the paged cache at `slot_mapping` and read back through block tables (attention/paged.py).
@@ -37,10 +39,12 @@ class LlamaAttention(nn.Module):
         self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=bias)
-        # Llama's attention_bias covers o_proj too; Qwen2 has q/k/v bias only
-        self.o_proj = nn.Linear(
-            self.num_heads * self.head_dim, d, bias=bias and config.architecture != "qwen2"
-        )
+        # Llama's and Qwen3's attention_bias covers o_proj too; Qwen2 has q/k/v bias only
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=config.o_proj_bias)
+        # Qwen3: one RMSNorm over each head's q (and k), weight [head_dim] shared by every head, so
+        # tensor parallelism keeps it whole on every rank
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
         self.qkv_proj: nn.Module | None = None  # q/k/v in one matmul, set by fuse.py for inference
         self.qkv_sizes = (self.num_heads * self.head_dim, *(2 * [self.num_kv_heads * self.head_dim]))
@@ -54,6 +58,10 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # rows of [T * heads, head_dim]: the norm's 2-D kernel takes them
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
         q, k = rotate(q, k, *rope)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k, v, kv_cache, meta, self.scale)

@@ -32,6 +32,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.errors import InputError
 from pagedllm.model.layers.rotary import RotaryEmbedding
 from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.loader import registry
 from pagedllm.model.loader.hf_config import read_hf_config
 from pagedllm.model.loader.safetensors import safetensors_files
 from pagedllm.quantization.linear import QuantLinear
@@ -52,16 +53,15 @@ _TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
-_HF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
     """A config.json that read_hf_config turns back into the same ModelConfig."""
-    arch = _HF_ARCH[config.architecture]
+    entry = registry.get(config.architecture)
     eos = config.eos_token_ids
     return {
-        "architectures": [arch],
-        "model_type": config.architecture,
+        "architectures": [entry.hf_architectures[0]],
+        "model_type": entry.hf_model_type,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -186,8 +186,10 @@ def load_quantized(
     if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
         raise InputError(f"{path}: quantization_config bits {bits!r} is not a width 2..8", param="model")
     tensors = _read_tensors(path)
+    from pagedllm.model.build import model_class
+
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = model_class(config)(config)
     quantized = sorted(n[: -len(".qweight")] for n in tensors if n.endswith(".qweight"))
     for name in quantized:
         old = find_linear(model, name)

@@ -27,6 +27,7 @@ import torch
 
 from pagedllm.config import ModelConfig
 from pagedllm.gguf_layout import unpermute_qk
+from pagedllm.model.loader import registry
 from pagedllm.quantization.linear import QuantLinear
 
 BLOCK = 32
@@ -71,7 +72,7 @@ def gguf_quant_linear(
 ) -> QuantLinear:
     """One HF-named linear (e.g. model.layers.0.self_attn.q_proj) from its raw GGUF blocks."""
     codes, scales, mins, bits = decode_blocks(type_name, raw, shape)
-    if config.architecture == "llama" and (".q_proj" in name or ".k_proj" in name):
+    if registry.get(config.architecture).gguf_permuted_qk and (".q_proj" in name or ".k_proj" in name):
         heads = config.num_heads if ".q_proj" in name else config.num_kv_heads
         codes, scales, mins = (
             torch.from_numpy(unpermute_qk(t.numpy(), heads).copy()) for t in (codes, scales, mins)

@@ -23,10 +23,10 @@ from tqdm import tqdm
 from pagedllm.config import ModelConfig
 from pagedllm.errors import InputError
 from pagedllm.gguf_layout import unpermute_qk
+from pagedllm.model.loader import registry
 from pagedllm.model.loader.hf_config import check_complete
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHS = ("llama", "qwen2")
 SUPPORTED_TYPES = frozenset(
     GGMLQuantizationType[n]
     for n in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -48,23 +48,9 @@ _NUMPY = {
     12: "<f8",
 }
 
-# llama.cpp tensor names -> HF names; per-layer ones are matched on the part after "blk.N.".
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
+# llama.cpp tensor names -> HF names: the registry's table (one for every family)
+_GLOBAL_NAMES = registry.GGUF_GLOBAL_NAMES
+_LAYER_NAMES = registry.GGUF_LAYER_NAMES
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -180,12 +166,9 @@ def _get(meta: dict[str, Any], key: str, path: Path) -> Any:
 
 
 def gguf_model_config(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path: Path) -> ModelConfig:
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise InputError(
-            f"GGUF file {path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})",
-            param="model",
-        )
+    entry = registry.from_gguf(meta.get("general.architecture"), str(path))
+    registry.check_gguf_features(entry, meta, str(path))
+    arch = entry.gguf_architecture
     d_model = int(_get(meta, f"{arch}.embedding_length", path))
     n_heads = int(_get(meta, f"{arch}.attention.head_count", path))
     n_kv = int(meta.get(f"{arch}.attention.head_count_kv", n_heads))
@@ -227,10 +210,13 @@ def gguf_model_config(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path:
         rope_scaling=rope_scaling,
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in shapes,  # no separate output matrix: tied
-        attention_bias=arch == "qwen2",
+        # the family's q/k/v bias, or biases the file simply has
+        attention_bias=entry.qkv_bias or "blk.0.attn_q.bias" in shapes,
+        o_proj_bias="blk.0.attn_output.bias" in shapes,
+        qk_norm=entry.qk_norm,
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=eos_ids,
-        architecture=arch,
+        architecture=entry.name,
     )
 
 
@@ -291,10 +277,11 @@ def load_gguf(
             continue
         raw = raw_tensor(data, info)
         w = dequantize_tensor(path, info, raw)
-        # Only Llama-arch files are permuted by the converter; Qwen2 keeps HF's row order.
-        if config.architecture == "llama" and ".self_attn.q_proj." in name:
+        # Only Llama-arch files are permuted by the converter; Qwen2 and Qwen3 keep HF's row order.
+        permuted = registry.get(config.architecture).gguf_permuted_qk
+        if permuted and ".self_attn.q_proj." in name:
             w = unpermute_qk(w, config.num_heads)
-        elif config.architecture == "llama" and ".self_attn.k_proj." in name:
+        elif permuted and ".self_attn.k_proj." in name:
             w = unpermute_qk(w, config.num_kv_heads)
         # require(W) copies the memory-mapped F32 tensors, which are read-only views of the file.
         weights[name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))

@@ -10,14 +10,7 @@ import torch
 
 from pagedllm.config import ModelConfig
 from pagedllm.errors import InputError
-
-# HF class name -> our architecture tag; model_type is the fallback when "architectures" is absent.
-SUPPORTED_HF_ARCHS = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+from pagedllm.model.loader import registry
 
 
 def _field(cfg: dict[str, Any], key: str, file: Path) -> Any:
@@ -47,27 +40,15 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
         cfg = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"{file} is not valid JSON: {e}", param="model") from None
-    archs = cfg.get("architectures") or [_MODEL_TYPES.get(cfg.get("model_type"), cfg.get("model_type"))]
-    arch = archs[0]
-    if arch not in SUPPORTED_HF_ARCHS:
-        raise InputError(
-            f"{file}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_HF_ARCHS)})",
-            param="model",
-        )
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise InputError(f"{file}: unsupported hidden_act {cfg['hidden_act']!r} (only silu)", param="model")
-    if cfg.get("mlp_bias"):
-        raise InputError(f"{file}: mlp_bias=true is not supported", param="model")
+    entry = registry.from_hf(registry.hf_architecture_name(cfg), str(file))
+    registry.check_hf_features(entry, cfg, str(file))
     hidden = int(_field(cfg, "hidden_size", file))
     n_heads = int(_field(cfg, "num_attention_heads", file))
     theta, scaling = _rope(cfg)
+    # no sliding-window attention here: the registry's policy caps the context where a window would matter
     max_pos = int(cfg.get("max_position_embeddings") or 2048)
-    # We have no sliding-window attention: cap the context where the window would start to matter, so
-    # results stay exact instead of silently diverging from the reference.
-    window = cfg.get("sliding_window")
-    uses_window = cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM")
-    if window and uses_window and int(window) < max_pos:
-        max_pos = int(window)
+    max_pos = registry.hf_context_length(entry, cfg, max_pos, str(file))
+    attention_bias = bool(cfg.get("attention_bias", False))
     eos = cfg.get("eos_token_id")
     eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else [])]
     bos = cfg.get("bos_token_id")
@@ -84,16 +65,18 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
         rope_scaling=scaling,
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v bias; Llama has q/k/v/o bias when attention_bias is set.
-        attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+        # Qwen2 always has q/k/v bias; Llama and Qwen3 have q/k/v/o bias when attention_bias is set.
+        attention_bias=entry.qkv_bias or attention_bias,
+        o_proj_bias=attention_bias and entry.o_bias_with_attention_bias,
+        qk_norm=entry.qk_norm,
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=eos_ids,
-        architecture=SUPPORTED_HF_ARCHS[arch],
+        architecture=entry.name,
     )
 
 
 def expected_weight_names(config: ModelConfig) -> list[str]:
-    """Names the model needs (o_proj.bias is optional: Llama with attention_bias has it, Qwen2 not)."""
+    """Names the model needs: the registry entry's features decide the biases and the q/k norms."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
@@ -104,6 +87,10 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
         if config.attention_bias:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        if config.o_proj_bias:
+            names.append(p + "self_attn.o_proj.bias")
+        if config.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
     return names
 
 

@@ -23,7 +23,8 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # The names the model uses; anything else (rotary inv_freq buffers, vision towers, ...) is skipped.
 _WANTED = re.compile(
     r"model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight|"
-    r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj\.(weight|bias)|mlp\.(gate|up|down)_proj\.weight|"
+    r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj\.(weight|bias)|self_attn\.[qk]_norm\.weight|"
+    r"mlp\.(gate|up|down)_proj\.weight|"
     r"(input|post_attention)_layernorm\.weight)"
 )
 

@@ -1,0 +1,207 @@
+"""The model families pagedllm runs: one entry per architecture, and the config keys none of them implement.
+
+Each entry names the architecture three ways (the `ModelConfig.architecture` tag, the Hugging Face
+`architectures[0]` class name and `model_type`, and llama.cpp's `general.architecture`), the class that
+builds it, and the features that set it apart from plain Llama. The loaders (hf_config.py, gguf.py), the
+quantized-folder writer and reader (model/quantized_checkpoint.py), the GGUF-native linears and
+model/build.py ask here; adding a family is one entry (and its feature in model/llama.py if it is new).
+It lives with the loaders because they are its lowest users (tests/test_layering.py: model/ and
+quantization/ may import from the loader package, not the other way round); plain data, no torch.
+
+A checkpoint whose architecture has no entry, or whose config turns on a feature nothing here implements
+(a MoE block, logit soft-capping, partial rotary, a q/k norm on a family without one), is refused with
+one InputError line naming the architecture or the key: it is never run as Llama and silently diverges.
+
+Sliding-window attention is not implemented. Every entry's policy is "cap": where a config uses a window
+shorter than its context, the context is capped at the window, so every answer stays exact (a window
+never slides within it). A family whose windows could not be handled that way would say None and be
+refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.errors import InputError
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # ModelConfig.architecture
+    hf_architectures: tuple[str, ...]  # config.json "architectures"[0]; the first is written back
+    hf_model_type: str  # config.json "model_type", used when "architectures" is absent
+    gguf_architecture: str | None  # a GGUF file's general.architecture; None: no GGUF files
+    model_class: str = "LlamaForCausalLM"  # the class in model/ that builds it (build.py's MODEL_CLASSES)
+    qkv_bias: bool = False  # q/k/v always have a bias (Qwen2); otherwise config attention_bias decides
+    o_bias_with_attention_bias: bool = True  # config attention_bias covers o_proj too (Llama, Qwen3)
+    qk_norm: bool = False  # an RMSNorm over each head's q and k, before rotary (Qwen3)
+    gguf_permuted_qk: bool = False  # convert_hf_to_gguf permutes Q/K rows (the llama arch only)
+    sliding_window: str | None = "cap"  # "cap": context capped at the window; None: a used window is refused
+    window_used_by_default: bool = True  # when config.json has sliding_window but no use_sliding_window
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """What the family has beyond a plain Llama decoder, for messages and `pagedllm env`-like listings."""
+        named = {"q/k/v bias": self.qkv_bias, "q/k norm": self.qk_norm}
+        return tuple(k for k, v in named.items() if v)
+
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    Architecture("llama", ("LlamaForCausalLM",), "llama", "llama", gguf_permuted_qk=True),
+    # llama.cpp writes Mistral (7B v0.1-v0.3) files as arch "llama": they load as llama
+    Architecture("mistral", ("MistralForCausalLM",), "mistral", None),
+    Architecture(
+        "qwen2",
+        ("Qwen2ForCausalLM",),
+        "qwen2",
+        "qwen2",
+        qkv_bias=True,
+        o_bias_with_attention_bias=False,
+        window_used_by_default=False,
+    ),
+    Architecture(
+        "qwen3", ("Qwen3ForCausalLM",), "qwen3", "qwen3", qk_norm=True, window_used_by_default=False
+    ),
+)
+
+_BY_NAME = {a.name: a for a in ARCHITECTURES}
+_BY_HF = {hf: a for a in ARCHITECTURES for hf in a.hf_architectures}
+_BY_MODEL_TYPE = {a.hf_model_type: a for a in ARCHITECTURES}
+_BY_GGUF = {a.gguf_architecture: a for a in ARCHITECTURES if a.gguf_architecture}
+
+
+def get(name: str) -> Architecture:
+    """The entry of a ModelConfig.architecture tag."""
+    if name not in _BY_NAME:
+        raise InputError(
+            f"unsupported architecture {name!r} (supported: {', '.join(_BY_NAME)})", param="model"
+        )
+    return _BY_NAME[name]
+
+
+def hf_architecture_name(cfg: dict[str, Any]) -> str | None:
+    """config.json's architectures[0], or the class its model_type stands for (or the model_type itself)."""
+    archs = cfg.get("architectures")
+    if archs:
+        return archs[0]
+    model_type = cfg.get("model_type")
+    entry = _BY_MODEL_TYPE.get(model_type)
+    return entry.hf_architectures[0] if entry else model_type
+
+
+def from_hf(arch: str | None, where: str) -> Architecture:
+    if arch not in _BY_HF:
+        raise InputError(
+            f"{where}: unsupported architecture {arch!r} (supported: {', '.join(_BY_HF)})", param="model"
+        )
+    return _BY_HF[arch]
+
+
+def from_gguf(arch: str | None, where: str) -> Architecture:
+    if arch not in _BY_GGUF:
+        raise InputError(
+            f"GGUF file {where}: unsupported architecture {arch!r} (supported: {', '.join(_BY_GGUF)})",
+            param="model",
+        )
+    return _BY_GGUF[arch]
+
+
+def _on(value: Any) -> bool:
+    """A config value that turns a feature on (absent, null, 0, false and [] do not)."""
+    return value not in (None, 0, False, [], {})
+
+
+# config.json keys that turn on a feature no family here implements -> what it is
+_HF_UNIMPLEMENTED = {
+    "num_experts": "a mixture-of-experts block",
+    "num_local_experts": "a mixture-of-experts block",
+    "n_routed_experts": "a mixture-of-experts block",
+    "moe_intermediate_size": "a mixture-of-experts block",
+    "attn_logit_softcapping": "attention logit soft-capping",
+    "final_logit_softcapping": "final logit soft-capping",
+    "query_pre_attn_scalar": "a non-default attention scale",
+    "use_qk_norm": "a q/k norm",
+    "qk_layernorm": "a q/k norm",
+    "mlp_bias": "MLP biases",
+}
+
+
+def check_hf_features(entry: Architecture, cfg: dict[str, Any], where: str) -> None:
+    """Refuse a config.json that asks for something `entry` does not implement: one line naming the key."""
+    arch = entry.hf_architectures[0]
+    for key, what in _HF_UNIMPLEMENTED.items():
+        if _on(cfg.get(key)) and not (what == "a q/k norm" and entry.qk_norm):
+            raise InputError(
+                f"{where}: {key}={cfg[key]!r} ({what}) is not supported for {arch}", param="model"
+            )
+    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise InputError(f"{where}: unsupported hidden_act {act!r} (only silu)", param="model")
+    prf = cfg.get("partial_rotary_factor")
+    if prf is not None and float(prf) != 1.0:
+        raise InputError(
+            f"{where}: partial_rotary_factor={prf!r} (rotary over part of each head) is not supported "
+            f"for {arch}",
+            param="model",
+        )
+
+
+def hf_context_length(entry: Architecture, cfg: dict[str, Any], max_pos: int, where: str) -> int:
+    """max_position_embeddings after the family's sliding-window policy: where a window shorter than the
+    context is in use, "cap" caps the context at it (exact, as no window slides), else it is refused."""
+    window = cfg.get("sliding_window")
+    used = cfg.get("use_sliding_window", entry.window_used_by_default)
+    layer_types = cfg.get("layer_types") or []
+    if "sliding_attention" in layer_types and window:
+        used = True
+    if not (window and used and int(window) < max_pos):
+        return max_pos
+    if entry.sliding_window == "cap":
+        return int(window)
+    raise InputError(
+        f"{where}: sliding_window={window} (sliding-window attention) is not supported for "
+        f"{entry.hf_architectures[0]}",
+        param="model",
+    )
+
+
+# GGUF metadata keys (after "<arch>.") that turn on a feature nothing here implements
+_GGUF_UNIMPLEMENTED = {
+    "expert_count": "a mixture-of-experts block",
+    "attn_logit_softcapping": "attention logit soft-capping",
+    "final_logit_softcapping": "final logit soft-capping",
+}
+
+
+def check_gguf_features(entry: Architecture, meta: dict[str, Any], where: str) -> None:
+    arch = entry.gguf_architecture
+    for key, what in _GGUF_UNIMPLEMENTED.items():
+        value = meta.get(f"{arch}.{key}")
+        if value is not None and _on(value):
+            raise InputError(
+                f"GGUF file {where}: {arch}.{key}={value!r} ({what}) is not supported for {arch}",
+                param="model",
+            )
+
+
+# llama.cpp tensor names -> HF names; per-layer ones are matched on the part after "blk.N.". One table for
+# every family: a family without a tensor simply has none in its files.
+GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}

@@ -1,0 +1,298 @@
+"""The model families (model/loader/registry.py): Qwen3 against transformers, from safetensors and GGUF;
+refusals of unknown architectures and of features no family implements; TP and quantized Qwen3."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import gguf
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import quantize
+from model_helpers import paged_prefill_logits
+from test_model_vs_hf import check_logits, greedy_hf, hf_model, prompt_ids
+from tiny_models import save_tiny_llama, save_tiny_qwen3
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.errors import InputError
+from pagedllm.model import decode_stack
+from pagedllm.model.build import build_model, model_class
+from pagedllm.model.loader import load_checkpoint, read_model_config, registry
+from pagedllm.model.quantized_checkpoint import save_quantized
+
+FP32 = torch.float32
+
+
+def our_model(path):
+    ckpt = load_checkpoint(path, show_progress=False)
+    return model_class(ckpt.config).from_weights(ckpt.config, ckpt.weights, FP32)
+
+
+@pytest.fixture(scope="module")
+def qwen3_path(tmp_path_factory):
+    return save_tiny_qwen3(tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_pair(qwen3_path):
+    return qwen3_path, our_model(qwen3_path), hf_model(qwen3_path)
+
+
+def test_registry_entries_are_consistent():
+    for a in registry.ARCHITECTURES:
+        assert registry.get(a.name) is a
+        assert registry.from_hf(a.hf_architectures[0], "x") is a
+        if a.gguf_architecture:
+            assert registry.from_gguf(a.gguf_architecture, "x") is a
+    assert registry.get("qwen3").features == ("q/k norm",)
+    assert registry.get("qwen2").features == ("q/k/v bias",)
+
+
+def test_qwen3_config(qwen3_path):
+    c = read_model_config(qwen3_path)
+    assert c.architecture == "qwen3" and c.qk_norm and c.head_dim == 24
+    assert not c.attention_bias and not c.o_proj_bias and c.tie_word_embeddings
+    model = our_model(qwen3_path)
+    attn = model.model.layers[0].self_attn
+    assert attn.q_norm.weight.shape == (24,) and attn.k_norm.weight.shape == (24,)
+    # a Llama has no q/k norm modules at all
+    assert read_model_config(save_tiny_llama(qwen3_path.parent / "llama")).qk_norm is False
+
+
+def test_qwen3_logits_match_hf(qwen3_pair):
+    check_logits(qwen3_pair, seed=3)  # 1, 15, 16, 17, 100 tokens, and chunked over a cached prefix
+
+
+def test_qwen3_greedy_64_tokens_match_hf(qwen3_pair):
+    path, ours, ref = qwen3_pair
+    llm = LLM(model=str(path), dtype="fp32", num_kv_blocks=64, show_progress=False)
+    ids = prompt_ids(17, ours.config.vocab_size, 5)
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == greedy_hf(ref, ids, 64)
+
+
+def test_fused_stack_refuses_the_q_k_norm(qwen3_pair):
+    _, ours, _ = qwen3_pair
+    assert "qwen3" in decode_stack.unsupported_reason(ours)
+    # and even as a fused architecture, the layer's children (q_norm, k_norm) send it to the layer loop
+    ours.config.architecture = "qwen2"
+    try:
+        reason = decode_stack.unsupported_reason(ours)
+    finally:
+        ours.config.architecture = "qwen3"
+    assert "k_norm" in reason and "q_norm" in reason
+
+
+# ---------------------------------------------------------------- GGUF (llama.cpp's names and metadata)
+
+_TO_GGUF = {v: k for k, v in registry.GGUF_LAYER_NAMES.items()}
+
+
+def _gguf_name(hf: str) -> str:
+    glob = {v: k for k, v in registry.GGUF_GLOBAL_NAMES.items()}
+    if hf in glob:
+        return glob[hf]
+    _, _, i, rest = hf.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{i}.{_TO_GGUF[module]}.{kind}"
+
+
+def write_qwen3_gguf(hf_path, out, linear_type=T.F32, extra_meta=None):
+    """What convert_hf_to_gguf.py writes for Qwen3 (no Q/K permutation), linears as `linear_type`."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_path / "config.json").read_text())
+    weights = load_file(str(hf_path / "model.safetensors"))
+    w = gguf.GGUFWriter(str(out), "qwen3")
+    a = "qwen3"
+    w.add_uint32(f"{a}.block_count", cfg["num_hidden_layers"])
+    w.add_uint32(f"{a}.context_length", cfg["max_position_embeddings"])
+    w.add_uint32(f"{a}.embedding_length", cfg["hidden_size"])
+    w.add_uint32(f"{a}.feed_forward_length", cfg["intermediate_size"])
+    w.add_uint32(f"{a}.attention.head_count", cfg["num_attention_heads"])
+    w.add_uint32(f"{a}.attention.head_count_kv", cfg["num_key_value_heads"])
+    w.add_uint32(f"{a}.attention.key_length", cfg["head_dim"])
+    w.add_uint32(f"{a}.attention.value_length", cfg["head_dim"])
+    w.add_float32(f"{a}.rope.freq_base", cfg["rope_parameters"]["rope_theta"])
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    w.add_uint32("tokenizer.ggml.eos_token_id", cfg["eos_token_id"])
+    for key, value in (extra_meta or {}).items():
+        w.add_uint32(key, value)
+    for name, t in weights.items():
+        if name == "lm_head.weight":  # tied: llama.cpp writes no output.weight
+            continue
+        array = t.float().numpy()
+        if array.ndim == 2 and "embed" not in name and linear_type != T.F32:
+            w.add_tensor(_gguf_name(name), quantize(array, linear_type), raw_dtype=linear_type)
+        else:
+            w.add_tensor(_gguf_name(name), array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_qwen3_gguf_loads_and_matches_hf(qwen3_pair, tmp_path):
+    path, ours, ref = qwen3_pair
+    gguf_path = write_qwen3_gguf(path, tmp_path / "qwen3.gguf")
+    ckpt = load_checkpoint(gguf_path, show_progress=False)
+    # the same config, but for what GGUF stores otherwise (eps as float32) or this writer leaves out (bos)
+    same = dict(rms_norm_eps=ours.config.rms_norm_eps, bos_token_id=ours.config.bos_token_id)
+    assert dataclasses.replace(ckpt.config, **same) == ours.config
+    assert ckpt.config.rms_norm_eps == pytest.approx(ours.config.rms_norm_eps)
+    for name, p in ours.state_dict().items():
+        if name in ckpt.weights:
+            assert torch.equal(ckpt.weights[name], p), name
+    assert "model.layers.2.self_attn.k_norm.weight" in ckpt.weights
+    model = our_model(gguf_path)
+    for n in (1, 17, 100):
+        ids = prompt_ids(n, ours.config.vocab_size, 11 + n)
+        with torch.no_grad():
+            expected = ref(torch.tensor([ids])).logits[0].float()
+        assert (paged_prefill_logits(model, ids) - expected).abs().max().item() < 1e-3, n
+
+
+def test_qwen3_gguf_q8_0_served_from_its_blocks(qwen3_path, tmp_path):
+    gguf_path = write_qwen3_gguf(qwen3_path, tmp_path / "q8.gguf", T.Q8_0)
+    native, _ = build_model(gguf_path, FP32, "gguf", show_progress=False)
+    dequantized, _ = build_model(gguf_path, FP32, None, show_progress=False)
+    assert native.model.layers[0].self_attn.q_norm is not None
+    ids = prompt_ids(20, native.config.vocab_size, 4)
+    got, want = paged_prefill_logits(native, ids), paged_prefill_logits(dequantized, ids)
+    # int8 activations against float ones: close, not equal
+    assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def _folder(tmp_path, **overrides):
+    """A config-only folder: the config is read (and refused) before any weight."""
+    base = dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        max_position_embeddings=512,
+    )
+    base.update(overrides)
+    (tmp_path / "config.json").write_text(json.dumps(base))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(architectures=["Gemma2ForCausalLM"]), "unsupported architecture 'Gemma2ForCausalLM'"),
+        (dict(architectures=["Qwen3MoeForCausalLM"]), "unsupported architecture 'Qwen3MoeForCausalLM'"),
+        (dict(architectures=None, model_type="phi3"), "unsupported architecture 'phi3'"),
+        (dict(num_experts=8), "num_experts=8 .* not supported for Qwen3ForCausalLM"),
+        (
+            dict(architectures=["MistralForCausalLM"], num_local_experts=8),
+            "num_local_experts=8 .* not supported for MistralForCausalLM",
+        ),
+        (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
+        (dict(final_logit_softcapping=30.0), "final_logit_softcapping=30.0"),
+        (dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
+        (dict(architectures=["LlamaForCausalLM"], use_qk_norm=True), "use_qk_norm=True"),
+        (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    ],
+)
+def test_unknown_architecture_or_feature_is_refused(tmp_path, overrides, message):
+    with pytest.raises(InputError, match=message):
+        read_model_config(_folder(tmp_path, **overrides))
+
+
+def test_harmless_feature_keys_are_accepted(tmp_path):
+    c = read_model_config(_folder(tmp_path, num_experts=0, partial_rotary_factor=1.0, sliding_window=None))
+    assert c.architecture == "qwen3" and c.max_position_embeddings == 512
+
+
+def test_sliding_window_policy_caps_the_context(tmp_path):
+    # a used window shorter than the context: the context stops where the window would start to slide
+    c = read_model_config(_folder(tmp_path, use_sliding_window=True, sliding_window=64))
+    assert c.max_position_embeddings == 64
+    # Qwen's windows are off unless use_sliding_window says so
+    assert read_model_config(_folder(tmp_path, sliding_window=64)).max_position_embeddings == 512
+
+
+def test_sliding_window_refused_where_the_family_cannot_cap(tmp_path, monkeypatch):
+    entry = dataclasses.replace(registry.get("qwen3"), sliding_window=None)
+    monkeypatch.setitem(registry._BY_HF, "Qwen3ForCausalLM", entry)
+    with pytest.raises(InputError, match="sliding_window=64 .* not supported for Qwen3ForCausalLM"):
+        read_model_config(_folder(tmp_path, use_sliding_window=True, sliding_window=64))
+
+
+def test_gguf_unknown_architecture_and_moe_are_refused(qwen3_path, tmp_path):
+    path = write_qwen3_gguf(qwen3_path, tmp_path / "moe.gguf", extra_meta={"qwen3.expert_count": 8})
+    with pytest.raises(InputError, match=r"qwen3.expert_count=8 \(a mixture-of-experts block\)"):
+        read_model_config(path)
+    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma2")
+    w.add_uint32("gemma2.block_count", 1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(InputError, match="unsupported architecture 'gemma2'"):
+        read_model_config(tmp_path / "g.gguf")
+
+
+# ---------------------------------------------------------------- quantized and tensor-parallel Qwen3
+
+
+def test_qwen3_int8_at_load_and_its_folder_round_trip(qwen3_path, tmp_path):
+    model, _ = build_model(qwen3_path, FP32, "int8", show_progress=False)
+    ids = prompt_ids(17, model.config.vocab_size, 8)
+    got = paged_prefill_logits(model, ids)
+    want = paged_prefill_logits(our_model(qwen3_path), ids)
+    assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()
+    out = save_quantized(model, tmp_path / "q", source=qwen3_path)
+    loaded, cfg = build_model(out, FP32, None, show_progress=False)
+    assert cfg.architecture == "qwen3" and cfg.qk_norm
+    assert torch.equal(paged_prefill_logits(loaded, ids), got)
+
+
+@pytest.mark.slow
+def test_qwen3_tensor_parallel_2_equals_1(qwen3_path):
+    ids = [prompt_ids(n, 49152, 20 + n) for n in (5, 40)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = []
+    for tp in (1, 2):
+        llm = LLM(
+            model=str(qwen3_path),
+            dtype="fp32",
+            tensor_parallel_size=tp,
+            max_num_batched_tokens=32,
+            show_progress=False,
+        )
+        outs.append([o.outputs[0].token_ids for o in llm.generate(ids, params, use_tqdm=False)])
+        llm.llm_engine.shutdown()
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_qwen3_pagedllm_quantize_folder_loads(capsys, qwen3_path, tmp_path, method):
+    from cli_helpers import cli
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text("The quick brown fox jumps over the lazy dog. " * 100)
+    rc, _, err = cli(capsys, "quantize", "--model", str(qwen3_path), "--method", method, "--calib", str(calib),
+                     "--bits", "4", "--group-size", "32", "--num-samples", "2", "--seq-len", "16",
+                     "--out", str(tmp_path / "q"), "--quiet")  # fmt: skip
+    assert rc == 0, err
+    loaded, cfg = build_model(tmp_path / "q", FP32, None, show_progress=False)
+    assert cfg.qk_norm and loaded.model.layers[0].self_attn.q_norm is not None
+    ids = prompt_ids(17, cfg.vocab_size, 9)
+    got, want = paged_prefill_logits(loaded, ids), paged_prefill_logits(our_model(qwen3_path), ids)
+    assert torch.isfinite(got).all()
+    # 4-bit weights of a random model: only a sanity bound (the q/k norm is applied, not dropped)
+    assert (got - want).abs().max().item() < 0.5 * want.abs().max().item()
