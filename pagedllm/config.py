@@ -24,6 +24,9 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v have a bias (Qwen2; Llama with attention_bias)
     o_proj_bias: bool = False  # o_proj has a bias (Llama and Qwen3 with attention_bias; never Qwen2)
     qk_norm: bool = False  # an RMSNorm over each head's q and k before rotary (Qwen3)
+    # rotary over the first rotary_dim dims of each head, the rest passed through (Phi-4-mini's
+    # partial_rotary_factor 0.75); None = the whole head
+    rotary_dim: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     architecture: str = "llama"
@@ -31,6 +34,11 @@ class ModelConfig:
     @property
     def kv_width(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_width(self) -> int:
+        """The dims of each head that rotary turns (head_dim unless partial)."""
+        return self.rotary_dim or self.head_dim
 
 
 @dataclass

@@ -1,19 +1,22 @@
-"""The model families (model/loader/registry.py): Qwen3 against transformers, from safetensors and GGUF;
-refusals of unknown architectures and of features no family implements; TP and quantized Qwen3."""
+"""The model families (model/loader/registry.py): Qwen3 and Phi-3 (fused storage, partial rotary, LongRoPE)
+against transformers, from safetensors and GGUF; refusals of unknown architectures and of features no family
+implements; TP and quantized Qwen3."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 from model_helpers import paged_prefill_logits
 from test_model_vs_hf import check_logits, greedy_hf, hf_model, prompt_ids
-from tiny_models import save_tiny_llama, save_tiny_qwen3
+from tiny_models import save_tiny_llama, save_tiny_phi3, save_tiny_qwen3
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.errors import InputError
@@ -194,7 +197,7 @@ def _folder(tmp_path, **overrides):
     [
         (dict(architectures=["Gemma2ForCausalLM"]), "unsupported architecture 'Gemma2ForCausalLM'"),
         (dict(architectures=["Qwen3MoeForCausalLM"]), "unsupported architecture 'Qwen3MoeForCausalLM'"),
-        (dict(architectures=None, model_type="phi3"), "unsupported architecture 'phi3'"),
+        (dict(architectures=None, model_type="phimoe"), "unsupported architecture 'phimoe'"),
         (dict(num_experts=8), "num_experts=8 .* not supported for Qwen3ForCausalLM"),
         (
             dict(architectures=["MistralForCausalLM"], num_local_experts=8),
@@ -296,3 +299,208 @@ def test_qwen3_pagedllm_quantize_folder_loads(capsys, qwen3_path, tmp_path, meth
     assert torch.isfinite(got).all()
     # 4-bit weights of a random model: only a sanity bound (the q/k norm is applied, not dropped)
     assert (got - want).abs().max().item() < 0.5 * want.abs().max().item()
+
+
+# ---------------------------------------------------------------- Phi-3 / Phi-4-mini
+
+# LongRoPE over a short original context, so 100-token prompts stay within it and generation crosses it
+PHI3_ORIGINAL_MAX = 128
+_LONGROPE = dict(
+    partial_rotary_factor=0.75,
+    original_max_position_embeddings=PHI3_ORIGINAL_MAX,
+    rope_scaling={
+        "type": "longrope",
+        "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+        "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 8.0],
+    },
+)
+PHI3_VARIANTS = {
+    "plain": {},
+    "partial": dict(partial_rotary_factor=0.75),  # Phi-4-mini's factor: 12 of 16 dims turn
+    "longrope": _LONGROPE,
+}
+
+
+@pytest.fixture(scope="module", params=list(PHI3_VARIANTS))
+def phi3_pair(request, tmp_path_factory):
+    path = save_tiny_phi3(
+        tmp_path_factory.mktemp(f"phi3-{request.param}"), seed=4, **PHI3_VARIANTS[request.param]
+    )
+    return path, our_model(path), hf_model(path)
+
+
+def test_phi3_config_and_split_weights(phi3_pair):
+    path, ours, ref = phi3_pair
+    c = ours.config
+    assert c.architecture == "phi3" and c.head_dim == 16 and not c.attention_bias
+    partial = "plain" not in path.name
+    assert c.rotary_dim == (12 if partial else None)
+    assert ours.rotary.cos.shape[-1] == (12 if partial else 16)
+    # the fused tensors arrive split, row for row
+    hf = ref.state_dict()
+    qkv = hf["model.layers.1.self_attn.qkv_proj.weight"]
+    mine = ours.state_dict()
+    assert torch.equal(torch.cat([mine[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv"]), qkv)
+    gate_up = hf["model.layers.2.mlp.gate_up_proj.weight"]
+    assert torch.equal(
+        torch.cat([mine[f"model.layers.2.mlp.{x}_proj.weight"] for x in ("gate", "up")]), gate_up
+    )
+    if "longrope" in path.name:
+        assert c.rope_scaling["rope_type"] == "longrope"
+        assert c.rope_scaling["original_max_position_embeddings"] == PHI3_ORIGINAL_MAX
+        assert c.rope_scaling["attention_factor"] == pytest.approx((1 + math.log(4) / math.log(128)) ** 0.5)
+
+
+def test_phi3_logits_match_hf(phi3_pair):
+    check_logits(phi3_pair, seed=6)  # 1, 15, 16, 17, 100 tokens, and chunked over a cached prefix
+
+
+def greedy_hf_kept_cache(ref, ids: list[int], n: int) -> list[int]:
+    """Greedy decoding by transformers' forward over its kept cache (generate() for Phi-3 drops the cache
+    at the step crossing original_max_position_embeddings and recomputes everything with the long factors;
+    layers/rotary.py's docstring says why pagedllm, like vLLM, does not)."""
+    from transformers import DynamicCache
+
+    cache, out, step = DynamicCache(), [], torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            logits = ref(input_ids=step, cache=cache, use_cache=True).logits
+            out.append(int(logits[0, -1].argmax()))
+            step = torch.tensor([[out[-1]]])
+    return out
+
+
+def test_phi3_greedy_64_tokens_match_hf(phi3_pair):
+    path, ours, ref = phi3_pair
+    llm = LLM(model=str(path), dtype="fp32", num_kv_blocks=64, show_progress=False)
+    longrope = "longrope" in path.name
+    # longrope: a 100-token prompt within the original context, 64 tokens past it (positions 100-163)
+    n = 100 if longrope else 17
+    ids = prompt_ids(n, ours.config.vocab_size, 5)
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+    got = out[0].outputs[0].token_ids
+    want = greedy_hf(ref, ids, 64)
+    if not longrope:
+        assert got == want
+        return
+    within = PHI3_ORIGINAL_MAX - n + 1  # tokens chosen from positions below original_max
+    assert got[:within] == want[:within]
+    assert got == greedy_hf_kept_cache(ref, ids, 64)
+
+
+def test_longrope_tables_switch_at_the_original_context(phi3_pair):
+    path, ours, ref = phi3_pair
+    if "longrope" not in path.name:
+        pytest.skip("longrope variant only")
+    from transformers.modeling_rope_utils import _compute_longrope_parameters
+
+    hf_cfg = ref.config
+    short, scale = _compute_longrope_parameters(hf_cfg)
+    long, _ = _compute_longrope_parameters(hf_cfg, seq_len=PHI3_ORIGINAL_MAX + 1)
+    for pos, inv in ((0, short), (PHI3_ORIGINAL_MAX - 1, short), (PHI3_ORIGINAL_MAX, long), (300, long)):
+        f = pos * inv
+        want = torch.cat((f, f)).cos() * scale
+        assert torch.allclose(ours.rotary.cos[pos], want, atol=1e-6), pos
+
+
+def test_fused_stack_refuses_partial_rotary(phi3_pair):
+    path, ours, _ = phi3_pair
+    assert "phi3" in decode_stack.unsupported_reason(ours)
+    ours.config.architecture = "llama"  # even as a fused architecture, the partial rotary is refused
+    try:
+        reason = decode_stack.unsupported_reason(ours)
+    finally:
+        ours.config.architecture = "phi3"
+    assert ("partial rotary" in reason) == ("plain" not in path.name), reason
+
+
+def test_phi3_partial_rotary_refused_for_other_families_only(tmp_path):
+    c = read_model_config(_folder(tmp_path, architectures=["Phi3ForCausalLM"], model_type="phi3",
+                                  head_dim=None, partial_rotary_factor=0.75))  # fmt: skip
+    assert c.architecture == "phi3" and c.head_dim == 16 and c.rotary_dim == 12
+    with pytest.raises(InputError, match="partial_rotary_factor=0.75 .* not supported for Qwen3ForCausalLM"):
+        read_model_config(_folder(tmp_path, rope_parameters={"partial_rotary_factor": 0.75}))
+
+
+def _phi3_gguf_name(hf: str) -> str:
+    hf = hf.replace("self_attn.qkv_proj", "self_attn.q_proj").replace("mlp.gate_up_proj", "mlp.up_proj")
+    name = _gguf_name(hf)
+    return name.replace("attn_q.", "attn_qkv.")
+
+
+def write_phi3_gguf(hf_path, out, linear_type=T.F32, longrope=False):
+    """What convert_hf_to_gguf.py writes for Phi-3: attn_qkv and ffn_up ([gate; up]) as stored, unpermuted."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_path / "config.json").read_text())
+    weights = load_file(str(hf_path / "model.safetensors"))
+    a = "phi3"
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    w = gguf.GGUFWriter(str(out), a)
+    w.add_uint32(f"{a}.block_count", cfg["num_hidden_layers"])
+    w.add_uint32(f"{a}.context_length", cfg["max_position_embeddings"])
+    w.add_uint32(f"{a}.embedding_length", cfg["hidden_size"])
+    w.add_uint32(f"{a}.feed_forward_length", cfg["intermediate_size"])
+    w.add_uint32(f"{a}.attention.head_count", cfg["num_attention_heads"])
+    w.add_uint32(f"{a}.attention.head_count_kv", cfg["num_key_value_heads"])
+    w.add_uint32(f"{a}.rope.dimension_count", int(head_dim * cfg.get("partial_rotary_factor", 1.0)))
+    w.add_float32(f"{a}.rope.freq_base", cfg["rope_parameters"]["rope_theta"])
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    w.add_uint32("tokenizer.ggml.eos_token_id", cfg["eos_token_id"])
+    if longrope:
+        w.add_tensor("rope_factors_long.weight", np.ones(6, np.float32))
+    for name, t in weights.items():
+        array = t.float().numpy()
+        if array.ndim == 2 and "embed" not in name and linear_type != T.F32:
+            w.add_tensor(_phi3_gguf_name(name), quantize(array, linear_type), raw_dtype=linear_type)
+        else:
+            w.add_tensor(_phi3_gguf_name(name), array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_phi3_gguf_loads_and_matches_hf(phi3_pair, tmp_path):
+    path, ours, ref = phi3_pair
+    if "longrope" in path.name:  # LongRoPE factors as GGUF tensors are refused, with a clear line
+        with pytest.raises(InputError, match="LongRoPE .* not supported in GGUF"):
+            read_model_config(write_phi3_gguf(path, tmp_path / "lr.gguf", longrope=True))
+        return
+    gguf_path = write_phi3_gguf(path, tmp_path / "phi3.gguf")
+    ckpt = load_checkpoint(gguf_path, show_progress=False)
+    same = dict(rms_norm_eps=ours.config.rms_norm_eps, bos_token_id=ours.config.bos_token_id)
+    assert dataclasses.replace(ckpt.config, **same) == ours.config
+    for name, p in ours.state_dict().items():
+        if name in ckpt.weights:
+            assert torch.equal(ckpt.weights[name], p), name
+    model = our_model(gguf_path)
+    for n in (1, 17, 100):
+        ids = prompt_ids(n, ours.config.vocab_size, 11 + n)
+        with torch.no_grad():
+            expected = ref(torch.tensor([ids])).logits[0].float()
+        assert (paged_prefill_logits(model, ids) - expected).abs().max().item() < 1e-3, n
+
+
+def test_phi3_gguf_q8_0_served_from_its_blocks(tmp_path):
+    path = save_tiny_phi3(tmp_path / "hf", seed=7, partial_rotary_factor=0.75)
+    gguf_path = write_phi3_gguf(path, tmp_path / "q8.gguf", T.Q8_0)
+    native, _ = build_model(gguf_path, FP32, "gguf", show_progress=False)
+    dequantized, _ = build_model(gguf_path, FP32, None, show_progress=False)
+    ids = prompt_ids(20, native.config.vocab_size, 4)
+    got, want = paged_prefill_logits(native, ids), paged_prefill_logits(dequantized, ids)
+    assert (got - want).abs().max().item() < 0.05 * want.abs().max().item()
+
+
+def test_phi3_int8_folder_round_trip_keeps_the_rotary(phi3_pair, tmp_path):
+    # a quantized folder's config.json must carry partial_rotary_factor, and the reload rotate that many dims
+    path, _, _ = phi3_pair
+    model, config = build_model(path, FP32, "int8", show_progress=False)
+    ids = prompt_ids(17, config.vocab_size, 8)
+    got = paged_prefill_logits(model, ids)
+    loaded, cfg = build_model(
+        save_quantized(model, tmp_path / "q", source=path), FP32, None, show_progress=False
+    )
+    assert cfg.rotary_dim == config.rotary_dim and cfg.rope_scaling == config.rope_scaling
+    assert torch.equal(paged_prefill_logits(loaded, ids), got)

@@ -14,6 +14,8 @@ import torch
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -27,6 +29,9 @@ TINY_QWEN2 = dict(hidden_size=96, num_hidden_layers=3, num_attention_heads=3, nu
 TINY_QWEN3 = dict(
     hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=24
 )
+
+# Phi-3: fused qkv_proj / gate_up_proj; head_dim 16, so partial_rotary_factor 0.75 turns 12 dims of each head
+TINY_PHI3 = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
 
 
 @functools.lru_cache(maxsize=1)
@@ -116,6 +121,21 @@ def save_tiny_qwen3(
     kwargs.setdefault("tie_word_embeddings", True)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(Qwen3Config(**kwargs)).eval()
+    _randomize(model, seed)
+    return _save(model, Path(path), max_shard_size)
+
+
+def save_tiny_phi3(
+    path: str | Path, seed: int = 0, max_shard_size: str | int | None = None, **config_overrides: Any
+) -> Path:
+    """Write a random Phi3ForCausalLM (TINY_PHI3 shape: fused qkv_proj and gate_up_proj, untied lm_head)
+    to `path`. config_overrides go to Phi3Config, e.g. partial_rotary_factor=0.75, or
+    rope_scaling={"type": "longrope", "short_factor": [...], "long_factor": [...]} with
+    original_max_position_embeddings=..."""
+    kwargs = _config_kwargs(TINY_PHI3, config_overrides)
+    kwargs.setdefault("tie_word_embeddings", False)
+    torch.manual_seed(seed)
+    model = Phi3ForCausalLM(Phi3Config(**kwargs)).eval()
     _randomize(model, seed)
     return _save(model, Path(path), max_shard_size)
 

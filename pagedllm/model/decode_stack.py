@@ -84,6 +84,9 @@ def unsupported_reason(model) -> str | None:
         return f"architecture {arch!r} (the fused stack computes {', '.join(FUSED_ARCHITECTURES)})"
     if getattr(model.config, "sliding_window", None):
         return "sliding-window attention"
+    rotary_dim = getattr(model.config, "rotary_dim", None)
+    if rotary_dim is not None and rotary_dim != model.config.head_dim:
+        return f"partial rotary ({rotary_dim} of {model.config.head_dim} dims; the fused stack turns whole heads)"
     for i, layer in enumerate(model.model.layers):
         for path, allowed in _LAYER_PARTS.items():
             module = layer.get_submodule(path) if path else layer

@@ -1,6 +1,8 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2, Qwen3) over a paged KV
-cache. The families differ in features the config names (model/loader/registry.py): q/k/v and o biases,
-and Qwen3's RMSNorm over each head's q and k (q_norm / k_norm, None where the family has none).
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2, Qwen3, Phi-3/Phi-4-mini)
+over a paged KV cache. The families differ in features the config names (model/loader/registry.py): q/k/v
+and o biases, Qwen3's RMSNorm over each head's q and k (q_norm / k_norm, None where the family has none),
+and Phi's partial rotary (config.rotary_dim) and LongRoPE (layers/rotary.py). Phi-3's fused qkv_proj and
+gate_up_proj are split into q/k/v and gate/up at load (model/loader/hf_config.py), so it is this model.
 
 The model sees one flat batch of new tokens from many sequences; it knows nothing of requests. K/V are
 written to the paged cache at `slot_mapping` and read back through block tables (attention/paged.py).
@@ -114,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            config.rotary_width, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -168,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
             model.lm_head.weight = model.model.embed_tokens.weight
         # non-persistent buffers are not in the checkpoint: compute them for real
         model.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            config.rotary_width, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         ).to(device=device, dtype=dtype)
         model.load_weights(weights)
         return model.eval()

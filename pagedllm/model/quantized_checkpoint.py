@@ -59,7 +59,11 @@ def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
     """A config.json that read_hf_config turns back into the same ModelConfig."""
     entry = registry.get(config.architecture)
     eos = config.eos_token_ids
+    partial = (
+        {} if config.rotary_dim is None else {"partial_rotary_factor": config.rotary_dim / config.head_dim}
+    )
     return {
+        **partial,
         "architectures": [entry.hf_architectures[0]],
         "model_type": entry.hf_model_type,
         "vocab_size": config.vocab_size,
@@ -215,7 +219,7 @@ def load_quantized(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = RotaryEmbedding(
-        config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        config.rotary_width, config.max_position_embeddings, config.rope_theta, config.rope_scaling
     ).to(dtype=dtype)
     model.load_weights({k: v.to(torch.float32) for k, v in tensors.items()})
     return model.eval(), config

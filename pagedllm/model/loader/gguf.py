@@ -24,7 +24,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.errors import InputError
 from pagedllm.gguf_layout import unpermute_qk
 from pagedllm.model.loader import registry
-from pagedllm.model.loader.hf_config import check_complete
+from pagedllm.model.loader.hf_config import check_complete, split_fused
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_TYPES = frozenset(
@@ -172,12 +172,33 @@ def gguf_model_config(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path:
     d_model = int(_get(meta, f"{arch}.embedding_length", path))
     n_heads = int(_get(meta, f"{arch}.attention.head_count", path))
     n_kv = int(meta.get(f"{arch}.attention.head_count_kv", n_heads))
-    # key_length is the real head size; rope.dimension_count can be partial rotary, so it comes second.
+    # key_length is the real head size; rope.dimension_count can be partial rotary, so it comes second
+    # (and not at all for a family with partial rotary, where it is the rotary width: Phi-4-mini)
+    rope_dims = meta.get(f"{arch}.rope.dimension_count")
     head_dim = int(
         meta.get(f"{arch}.attention.key_length")
-        or meta.get(f"{arch}.rope.dimension_count")
+        or (None if entry.partial_rotary else rope_dims)
         or d_model // n_heads
     )
+    rotary_dim = None
+    # only a family with partial rotary reads it as such (others keep whole-head rotary, as before)
+    if entry.partial_rotary and rope_dims and int(rope_dims) != head_dim:
+        if int(rope_dims) % 2 or int(rope_dims) > head_dim:
+            raise InputError(
+                f"GGUF file {path}: {arch}.rope.dimension_count={rope_dims} of {head_dim}-dim heads "
+                f"(partial rotary) is not supported for {arch}",
+                param="model",
+            )
+        rotary_dim = int(rope_dims)
+    if any(t.name.startswith("rope_factors_") for t in tensors) or (
+        meta.get(f"{arch}.rope.scaling.type") == "longrope"
+    ):
+        # LongRoPE factors stored as tensors (rope_factors_long/short): not read from GGUF yet
+        raise InputError(
+            f"GGUF file {path}: LongRoPE (rope_factors_long/short, rope_scaling.type 'longrope') is not "
+            "supported in GGUF files; load the Hugging Face folder instead",
+            param="model",
+        )
     # vocab_size is often absent: fall back to the embedding's rows (the tokenizer may be shorter).
     shapes = {t.name: t.shape for t in tensors}
     vocab = meta.get(f"{arch}.vocab_size") or shapes.get("token_embd.weight", (None,))[0]
@@ -214,6 +235,7 @@ def gguf_model_config(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path:
         attention_bias=entry.qkv_bias or "blk.0.attn_q.bias" in shapes,
         o_proj_bias="blk.0.attn_output.bias" in shapes,
         qk_norm=entry.qk_norm,
+        rotary_dim=rotary_dim,
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=eos_ids,
         architecture=entry.name,
@@ -257,6 +279,24 @@ def raw_tensor(data: np.memmap, info: GGUFTensorInfo) -> np.ndarray:
     return raw.reshape(*info.shape[:-1], info.shape[-1] // block * type_size)
 
 
+def _split_fused_raw(
+    quantized: dict[str, tuple[str, np.ndarray, tuple[int, ...]]], config: ModelConfig
+) -> None:
+    """split_fused on the raw blocks: rows [q; k; v] and [gate; up] (the sizes hf_config.split_fused checks)."""
+    q, kv, f = config.num_heads * config.head_dim, config.kv_width, config.intermediate_size
+    for name in [n for n in quantized if n.endswith((".qkv_proj.weight", ".gate_up_proj.weight"))]:
+        qtype, raw, shape = quantized.pop(name)
+        prefix = name.rsplit(".", 2)[0]
+        if ".qkv_proj." in name:
+            sizes, parts = (q, kv, kv), ("q_proj", "k_proj", "v_proj")
+        else:
+            sizes, parts = (f, f), ("gate_proj", "up_proj")
+        start = 0
+        for part, rows in zip(parts, sizes):
+            quantized[f"{prefix}.{part}.weight"] = (qtype, raw[start : start + rows], (rows, *shape[1:]))
+            start += rows
+
+
 def load_gguf(
     path: str | Path, show_progress: bool = True, keep_quantized: bool = False
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, tuple[str, np.ndarray, tuple[int, ...]]] | None]:
@@ -275,6 +315,8 @@ def load_gguf(
         name = hf_name(info.name)
         if name is None:
             continue
+        if name.endswith(".mlp.up_proj.weight") and info.shape[0] == 2 * config.intermediate_size:
+            name = name.replace(".up_proj.", ".gate_up_proj.")  # Phi-3's ffn_up holds [gate; up]
         raw = raw_tensor(data, info)
         w = dequantize_tensor(path, info, raw)
         # Only Llama-arch files are permuted by the converter; Qwen2 and Qwen3 keep HF's row order.
@@ -288,5 +330,8 @@ def load_gguf(
         if quantized is not None:
             # Raw blocks keep llama.cpp's Q/K row order: whoever uses them must unpermute too.
             quantized[name] = (info.type.name, raw, info.shape)
+    if quantized is not None:  # ggml blocks run along rows: a fused tensor splits by rows as the floats do
+        _split_fused_raw(quantized, config)
+    split_fused(weights, config, path)  # Phi-3's attn_qkv and ffn_up
     check_complete(weights, config, path)
     return config, weights, quantized

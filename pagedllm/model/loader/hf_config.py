@@ -23,12 +23,39 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling or None). transformers 5 writes rope_parameters; 4.x rope_theta/rope_scaling."""
     merged = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
     theta = float(merged.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0)
+    merged.pop("partial_rotary_factor", None)  # ModelConfig.rotary_dim carries it
     if "type" in merged:  # old spelling of rope_type
         merged.setdefault("rope_type", merged.pop("type"))
         merged.pop("type", None)
     if merged.get("rope_type", "default") == "default":
         return theta, None
     return theta, merged
+
+
+def _longrope(scaling: dict, cfg: dict[str, Any], rotary_dim: int, file: Path) -> dict:
+    """LongRoPE's parameters made whole (model/layers/rotary.py): original_max_position_embeddings (Phi-3
+    keeps it at the config's top level) and the attention factor, from config.json's max_position_embeddings
+    before any context cap, as transformers computes it."""
+    from pagedllm.model.layers.rotary import longrope_attention_factor
+
+    scaling = dict(scaling)
+    original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not original:
+        raise InputError(
+            f"{file}: rope_scaling.type 'longrope' needs original_max_position_embeddings", param="model"
+        )
+    scaling["original_max_position_embeddings"] = int(original)
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if not isinstance(factors, list) or len(factors) != rotary_dim // 2:
+            raise InputError(
+                f"{file}: rope_scaling.{key} must be a list of {rotary_dim // 2} numbers (rotary dims / 2)",
+                param="model",
+            )
+        scaling[key] = [float(f) for f in factors]
+    max_pos = int(cfg.get("max_position_embeddings") or 2048)
+    scaling["attention_factor"] = longrope_attention_factor(scaling, max_pos)
+    return scaling
 
 
 def read_hf_config(folder: str | Path) -> ModelConfig:
@@ -45,6 +72,18 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
     hidden = int(_field(cfg, "hidden_size", file))
     n_heads = int(_field(cfg, "num_attention_heads", file))
     theta, scaling = _rope(cfg)
+    head_dim = int(cfg.get("head_dim") or hidden // n_heads)
+    prf = registry.partial_rotary_factor(cfg)  # check_hf_features allowed it only where the family has it
+    rotary_dim = int(head_dim * prf) if prf != 1.0 else None
+    if rotary_dim is not None and (rotary_dim <= 0 or rotary_dim % 2):
+        raise InputError(
+            f"{file}: partial_rotary_factor={prf} gives {rotary_dim} rotary dims (must be even and > 0)",
+            param="model",
+        )
+    if scaling and entry.name == "phi3" and scaling.get("rope_type") in ("su", "yarn"):
+        scaling["rope_type"] = "longrope"  # old Phi-3 spellings, as transformers' Phi3Config reads them
+    if scaling and scaling.get("rope_type") == "longrope":
+        scaling = _longrope(scaling, cfg, rotary_dim or head_dim, file)
     # no sliding-window attention here: the registry's policy caps the context where a window would matter
     max_pos = int(cfg.get("max_position_embeddings") or 2048)
     max_pos = registry.hf_context_length(entry, cfg, max_pos, str(file))
@@ -59,7 +98,7 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
         num_layers=int(_field(cfg, "num_hidden_layers", file)),
         num_heads=n_heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-        head_dim=int(cfg.get("head_dim") or hidden // n_heads),
+        head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -69,6 +108,7 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
         attention_bias=entry.qkv_bias or attention_bias,
         o_proj_bias=attention_bias and entry.o_bias_with_attention_bias,
         qk_norm=entry.qk_norm,
+        rotary_dim=rotary_dim,
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=eos_ids,
         architecture=entry.name,
@@ -92,6 +132,31 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
         if config.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
     return names
+
+
+def split_fused(weights: dict[str, torch.Tensor], config: ModelConfig, path: Path) -> None:
+    """In place: each layer's fused self_attn.qkv_proj ([q; k; v] rows) and mlp.gate_up_proj ([gate; up]
+    rows), as Phi-3 stores them, become q/k/v_proj and gate/up_proj, so quantizers, tensor parallelism and
+    fuse.py (which merges them again) see the usual names."""
+    q, kv, f = config.num_heads * config.head_dim, config.kv_width, config.intermediate_size
+    for name in [
+        n for n in weights if n.endswith((".qkv_proj.weight", ".qkv_proj.bias", ".gate_up_proj.weight"))
+    ]:
+        tensor = weights.pop(name)
+        prefix, kind = name.rsplit(".", 1)
+        prefix = prefix.rsplit(".", 1)[0]
+        if ".qkv_proj." in name:
+            sizes, parts = (q, kv, kv), ("q_proj", "k_proj", "v_proj")
+        else:
+            sizes, parts = (f, f), ("gate_proj", "up_proj")
+        if tensor.shape[0] != sum(sizes):
+            raise InputError(
+                f"checkpoint {path}: {name} has {tensor.shape[0]} rows, config says {sum(sizes)} "
+                f"({' + '.join(map(str, sizes))})",
+                param="model",
+            )
+        for part, piece in zip(parts, tensor.split(sizes, dim=0)):
+            weights[f"{prefix}.{part}.{kind}"] = piece.contiguous()
 
 
 def check_complete(weights: dict[str, torch.Tensor], config: ModelConfig, path: Path) -> None:

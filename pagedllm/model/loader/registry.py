@@ -39,11 +39,20 @@ class Architecture:
     gguf_permuted_qk: bool = False  # convert_hf_to_gguf permutes Q/K rows (the llama arch only)
     sliding_window: str | None = "cap"  # "cap": context capped at the window; None: a used window is refused
     window_used_by_default: bool = True  # when config.json has sliding_window but no use_sliding_window
+    # checkpoints store q/k/v as one qkv_proj ([q; k; v] rows) and gate/up as one gate_up_proj ([gate; up]
+    # rows), GGUF as attn_qkv and ffn_up (Phi-3): split at load into the usual names
+    fused_qkv_gate_up: bool = False
+    partial_rotary: bool = False  # partial_rotary_factor < 1 allowed (rotary over each head's first dims)
 
     @property
     def features(self) -> tuple[str, ...]:
         """What the family has beyond a plain Llama decoder, for messages and `pagedllm env`-like listings."""
-        named = {"q/k/v bias": self.qkv_bias, "q/k norm": self.qk_norm}
+        named = {
+            "q/k/v bias": self.qkv_bias,
+            "q/k norm": self.qk_norm,
+            "fused qkv/gate_up storage": self.fused_qkv_gate_up,
+            "partial rotary": self.partial_rotary,
+        }
         return tuple(k for k, v in named.items() if v)
 
 
@@ -63,6 +72,9 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(
         "qwen3", ("Qwen3ForCausalLM",), "qwen3", "qwen3", qk_norm=True, window_used_by_default=False
     ),
+    # Phi-3 / Phi-3.5 / Phi-4-mini: Llama's decoder with fused storage, partial rotary (Phi-4-mini 0.75) and
+    # LongRoPE (model/layers/rotary.py); transformers uses a configured sliding_window unconditionally
+    Architecture("phi3", ("Phi3ForCausalLM",), "phi3", "phi3", fused_qkv_gate_up=True, partial_rotary=True),
 )
 
 _BY_NAME = {a.name: a for a in ARCHITECTURES}
@@ -138,13 +150,21 @@ def check_hf_features(entry: Architecture, cfg: dict[str, Any], where: str) -> N
     act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
     if act != "silu":
         raise InputError(f"{where}: unsupported hidden_act {act!r} (only silu)", param="model")
-    prf = cfg.get("partial_rotary_factor")
-    if prf is not None and float(prf) != 1.0:
+    prf = partial_rotary_factor(cfg)
+    if prf != 1.0 and not entry.partial_rotary:
         raise InputError(
             f"{where}: partial_rotary_factor={prf!r} (rotary over part of each head) is not supported "
             f"for {arch}",
             param="model",
         )
+
+
+def partial_rotary_factor(cfg: dict[str, Any]) -> float:
+    """config.json's partial_rotary_factor (top level, or in transformers 5's rope_parameters), 1.0 if absent."""
+    prf = cfg.get("partial_rotary_factor")
+    if prf is None:
+        prf = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
+    return 1.0 if prf is None else float(prf)
 
 
 def hf_context_length(entry: Architecture, cfg: dict[str, Any], max_pos: int, where: str) -> int:
@@ -197,6 +217,7 @@ GGUF_LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # fused (Phi-3); ffn_up holds [gate; up] there, split at load
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",

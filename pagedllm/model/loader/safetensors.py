@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from pagedllm.config import ModelConfig
 from pagedllm.errors import InputError
-from pagedllm.model.loader.hf_config import check_complete, read_hf_config
+from pagedllm.model.loader.hf_config import check_complete, read_hf_config, split_fused
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -23,8 +23,8 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # The names the model uses; anything else (rotary inv_freq buffers, vision towers, ...) is skipped.
 _WANTED = re.compile(
     r"model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight|"
-    r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj\.(weight|bias)|self_attn\.[qk]_norm\.weight|"
-    r"mlp\.(gate|up|down)_proj\.weight|"
+    r"model\.layers\.\d+\.(self_attn\.([qkvo]|qkv)_proj\.(weight|bias)|self_attn\.[qk]_norm\.weight|"
+    r"mlp\.(gate|up|down|gate_up)_proj\.weight|"
     r"(input|post_attention)_layernorm\.weight)"
 )
 
@@ -76,5 +76,6 @@ def load_safetensors(
     if config.tie_word_embeddings:
         # Some tied checkpoints also store the (identical) lm_head; the model reads embed_tokens.
         weights.pop("lm_head.weight", None)
+    split_fused(weights, config, folder)  # Phi-3's qkv_proj and gate_up_proj
     check_complete(weights, config, folder)
     return config, weights
