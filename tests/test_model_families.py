@@ -123,19 +123,23 @@ def write_qwen3_gguf(hf_path, out, linear_type=T.F32, extra_meta=None):
     w.add_uint32("tokenizer.ggml.eos_token_id", cfg["eos_token_id"])
     for key, value in (extra_meta or {}).items():
         w.add_uint32(key, value)
+    tensors = {n: t for n, t in weights.items() if n != "lm_head.weight"}  # tied: no output.weight
+    _write_tensors_and_close(w, tensors, _gguf_name, linear_type)
+    return out
+
+
+def _write_tensors_and_close(w, weights: dict, gguf_name, linear_type) -> None:
+    """Every HF-named tensor under its llama.cpp name (2-D linears in `linear_type`), then the file."""
     for name, t in weights.items():
-        if name == "lm_head.weight":  # tied: llama.cpp writes no output.weight
-            continue
         array = t.float().numpy()
         if array.ndim == 2 and "embed" not in name and linear_type != T.F32:
-            w.add_tensor(_gguf_name(name), quantize(array, linear_type), raw_dtype=linear_type)
+            w.add_tensor(gguf_name(name), quantize(array, linear_type), raw_dtype=linear_type)
         else:
-            w.add_tensor(_gguf_name(name), array)
+            w.add_tensor(gguf_name(name), array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return out
 
 
 def test_qwen3_gguf_loads_and_matches_hf(qwen3_pair, tmp_path):
@@ -449,16 +453,7 @@ def write_phi3_gguf(hf_path, out, linear_type=T.F32, longrope=False):
     w.add_uint32("tokenizer.ggml.eos_token_id", cfg["eos_token_id"])
     if longrope:
         w.add_tensor("rope_factors_long.weight", np.ones(6, np.float32))
-    for name, t in weights.items():
-        array = t.float().numpy()
-        if array.ndim == 2 and "embed" not in name and linear_type != T.F32:
-            w.add_tensor(_phi3_gguf_name(name), quantize(array, linear_type), raw_dtype=linear_type)
-        else:
-            w.add_tensor(_phi3_gguf_name(name), array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _write_tensors_and_close(w, weights, _phi3_gguf_name, linear_type)
     return out
 
 

@@ -40,11 +40,11 @@ import os
 import re
 import threading
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.engine.async_engine import (
+    AsyncEngine,
     EngineBusyError,
     EngineClosedError,
     RequestFailedError,
@@ -400,16 +400,8 @@ class DataParallelEngine:
             raise
         return RequestStream(self, request.request_id, request)  # it reads request.queue, calls self.abort
 
-    async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[Any]:
-        request_id = request_id or self.new_request_id()
-        stream = await self.add_request(request_id, prompt, params)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            stream.close()
+    # the same over this engine's add_request / new_request_id: cumulative outputs, closing aborts
+    generate = AsyncEngine.generate
 
     def abort(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

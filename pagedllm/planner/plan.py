@@ -434,13 +434,7 @@ def _plan_memory(
     if tp > 1:
         _plan_tp_capacity(plan, memory_bytes, all_weights or 0, weights_in_all or 0, overhead_bytes or 0)
         return
-    per_request = plan.get("kv_bytes_reserved_per_request")
-    if per_request is None:
-        raise InputError(
-            "--memory needs the KV size of one request: give the model (--model or --num-layers and --d-model) "
-            "and --seq-len",
-            param="memory",
-        )
+    per_request = _request_kv_bytes(plan, "kv_bytes_reserved_per_request")
     cap = mem.capacity(memory_bytes, per_request, all_weights or 0, overhead_bytes or 0)
     plan.update(
         memory_bytes=cap.memory_bytes,
@@ -454,17 +448,22 @@ def _plan_memory(
         plan["num_blocks"] = mem.num_blocks_for(cap.kv_budget_bytes, plan["block_size"], per_model)
 
 
-def _plan_tp_capacity(plan: dict, memory: int, weights: int, weights_in_all: int, overhead: int) -> None:
-    """Users that fit N devices of `memory` each (weights a device, overhead a device): the device that binds
-    has the most KV heads and the largest share of the weights (partition.py gives the first ranks the
-    extra heads, rows and columns), and every device keeps as many blocks as it does."""
-    per_request = plan.get("kv_bytes_reserved_per_request_per_device")
-    if per_request is None:
+def _request_kv_bytes(plan: dict, key: str) -> int:
+    """One request's KV bytes (`key`), which --memory needs to count users."""
+    if key not in plan:
         raise InputError(
             "--memory needs the KV size of one request: give the model (--model or --num-layers and --d-model) "
             "and --seq-len",
             param="memory",
         )
+    return plan[key]
+
+
+def _plan_tp_capacity(plan: dict, memory: int, weights: int, weights_in_all: int, overhead: int) -> None:
+    """Users that fit N devices of `memory` each (weights a device, overhead a device): the device that binds
+    has the most KV heads and the largest share of the weights (partition.py gives the first ranks the
+    extra heads, rows and columns), and every device keeps as many blocks as it does."""
+    per_request = _request_kv_bytes(plan, "kv_bytes_reserved_per_request_per_device")
     tp = plan["tensor_parallel_size"]
     try:
         cap = mem.capacity(memory, per_request, weights, overhead)
