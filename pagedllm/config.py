@@ -57,6 +57,7 @@ class SchedulerConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+DRAFT_BUDGETS = ("measured", "off")
 MAX_SPECULATIVE_TOKENS = 16  # verify rows per request a step; beyond this acceptance decays to nothing
 
 
@@ -71,6 +72,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5  # ngram: longest, tried first
     model: str | None = None  # draft_model: a GGUF file, a safetensors folder or 'default'
     quantization: str | None = None  # draft_model: as --quantization, for the draft (None = auto)
+    # pagedllm's own field: "measured" verifies only the drafts that pay for their rows at this machine's
+    # measured step cost (spec_decode/budget.py); "off" verifies every proposal, as vLLM does
+    draft_budget: str = "measured"
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
@@ -120,6 +124,8 @@ class SpeculativeConfig:
             raise bad("num_speculative_tokens", f"must be at most {MAX_SPECULATIVE_TOKENS}")
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise bad("prompt_lookup_max", f"must be at least prompt_lookup_min ({self.prompt_lookup_min})")
+        if self.draft_budget not in DRAFT_BUDGETS:
+            raise bad("draft_budget", f"must be one of {', '.join(DRAFT_BUDGETS)}; got {self.draft_budget!r}")
         if self.method == "draft_model" and not self.model:
             raise bad("model", "is required for method draft_model (a GGUF file, a folder or 'default')")
         if self.method == "ngram":

@@ -229,7 +229,10 @@ class LLMEngine:
                 num_accepted_tokens_per_pos=[0] * spec.num_speculative_tokens
             )
             self._acceptance = AcceptanceTracker()
-            self.step_cost = StepCost.measure(self.runner, self.scheduler.kv_cache_manager)
+            if spec.draft_budget == "off":  # rows are free: every proposal is verified
+                self.step_cost = StepCost.linear(fixed=1.0, per_row=0.0)
+            else:
+                self.step_cost = StepCost.measure(self.runner, self.scheduler.kv_cache_manager)
             self.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
         tokens = num_kv_blocks * block_size
         logger.info(
