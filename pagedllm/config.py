@@ -27,6 +27,18 @@ class ModelConfig:
     # rotary over the first rotary_dim dims of each head, the rest passed through (Phi-4-mini's
     # partial_rotary_factor 0.75); None = the whole head
     rotary_dim: int | None = None
+    # sliding-window attention: a query at position p sees keys p - sliding_window + 1 .. p in the layers
+    # layer_types marks "sliding_attention" (HF's names; None or absent = every layer "full_attention")
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (no scaling there)
+    # Gemma 2/3 (registry "gemma" features): GeGLU, RMSNorm over (1 + weight) in float32, a norm after
+    # each sublayer too (pre/post feedforward), embeddings times sqrt(hidden_size), soft-capped logits
+    hidden_act: str = "silu"  # "silu" or "gelu_pytorch_tanh"
+    gemma_norms: bool = False
+    attn_logit_softcapping: float | None = None  # scores = cap * tanh(scores / cap), before the softmax
+    final_logit_softcapping: float | None = None  # logits likewise
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this) instead of 1/sqrt(head_dim)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     architecture: str = "llama"
@@ -34,6 +46,16 @@ class ModelConfig:
     @property
     def kv_width(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def is_sliding(self, layer_idx: int) -> bool:
+        return self.sliding_window is not None and bool(self.layer_types) and (
+            self.layer_types[layer_idx] == "sliding_attention"
+        )
+
+    @property
+    def all_layers_sliding(self) -> bool:
+        """Every layer windowed: a block wholly before the window is never read again and can be freed."""
+        return all(self.is_sliding(i) for i in range(self.num_layers))
 
     @property
     def rotary_width(self) -> int:
@@ -47,6 +69,9 @@ class CacheConfig:
     num_blocks: int = 0  # filled in at start-up from kv_cache_memory or num_kv_blocks
     kv_cache_dtype: str = "auto"  # auto = the model's compute dtype
     enable_prefix_caching: bool = True
+    # every layer attends over a sliding window this wide: blocks wholly before it are freed as a request
+    # moves on (None when any layer is global: that layer still reads them)
+    sliding_window: int | None = None
 
 
 @dataclass

@@ -192,7 +192,8 @@ def test_config_qwen2_and_mistral(tmp_path):
         _config_folder(tmp_path, dict(BASE, architectures=["MistralForCausalLM"], sliding_window=1024))
     )
     assert m.architecture == "mistral" and not m.attention_bias
-    assert m.max_position_embeddings == 1024  # capped: no sliding-window attention here
+    # every Mistral layer attends over the window; the context stays whole
+    assert m.max_position_embeddings == 4096 and m.sliding_window == 1024 and m.all_layers_sliding
 
 
 @pytest.mark.parametrize(

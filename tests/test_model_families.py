@@ -49,8 +49,9 @@ def test_registry_entries_are_consistent():
         assert registry.from_hf(a.hf_architectures[0], "x") is a
         if a.gguf_architecture:
             assert registry.from_gguf(a.gguf_architecture, "x") is a
-    assert registry.get("qwen3").features == ("q/k norm",)
-    assert registry.get("qwen2").features == ("q/k/v bias",)
+    assert registry.get("qwen3").features == ("q/k norm", "sliding window")
+    assert registry.get("qwen2").features == ("q/k/v bias", "sliding window")
+    assert registry.get("llama").features == ()
 
 
 def test_qwen3_config(qwen3_path):
@@ -93,13 +94,14 @@ def test_fused_stack_refuses_the_q_k_norm(qwen3_pair):
 _TO_GGUF = {v: k for k, v in registry.GGUF_LAYER_NAMES.items()}
 
 
-def _gguf_name(hf: str) -> str:
+def _gguf_name(hf: str, to_gguf: dict[str, str] = _TO_GGUF) -> str:
+    """An HF tensor name under llama.cpp's name (to_gguf: a family's HF -> GGUF layer-name table)."""
     glob = {v: k for k, v in registry.GGUF_GLOBAL_NAMES.items()}
     if hf in glob:
         return glob[hf]
     _, _, i, rest = hf.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{i}.{_TO_GGUF[module]}.{kind}"
+    return f"blk.{i}.{to_gguf[module]}.{kind}"
 
 
 def write_qwen3_gguf(hf_path, out, linear_type=T.F32, extra_meta=None):
@@ -199,7 +201,7 @@ def _folder(tmp_path, **overrides):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(architectures=["Gemma2ForCausalLM"]), "unsupported architecture 'Gemma2ForCausalLM'"),
+        (dict(architectures=["Gemma3nForCausalLM"]), "unsupported architecture 'Gemma3nForCausalLM'"),
         (dict(architectures=["Qwen3MoeForCausalLM"]), "unsupported architecture 'Qwen3MoeForCausalLM'"),
         (dict(architectures=None, model_type="phimoe"), "unsupported architecture 'phimoe'"),
         (dict(num_experts=8), "num_experts=8 .* not supported for Qwen3ForCausalLM"),
@@ -224,32 +226,33 @@ def test_harmless_feature_keys_are_accepted(tmp_path):
     assert c.architecture == "qwen3" and c.max_position_embeddings == 512
 
 
-def test_sliding_window_policy_caps_the_context(tmp_path):
-    # a used window shorter than the context: the context stops where the window would start to slide
-    c = read_model_config(_folder(tmp_path, use_sliding_window=True, sliding_window=64))
-    assert c.max_position_embeddings == 64
-    # Qwen's windows are off unless use_sliding_window says so
-    assert read_model_config(_folder(tmp_path, sliding_window=64)).max_position_embeddings == 512
-
-
-def test_sliding_window_refused_where_the_family_cannot_cap(tmp_path, monkeypatch):
-    entry = dataclasses.replace(registry.get("qwen3"), sliding_window=None)
-    monkeypatch.setitem(registry._BY_HF, "Qwen3ForCausalLM", entry)
-    with pytest.raises(InputError, match="sliding_window=64 .* not supported for Qwen3ForCausalLM"):
-        read_model_config(_folder(tmp_path, use_sliding_window=True, sliding_window=64))
+def test_sliding_window_layers_follow_the_family_rule(tmp_path):
+    # Qwen: windows from max_window_layers on, only with use_sliding_window; the context is not capped
+    c = read_model_config(_folder(tmp_path, use_sliding_window=True, sliding_window=64, max_window_layers=1))
+    assert c.max_position_embeddings == 512 and c.sliding_window == 64
+    assert c.layer_types == ["full_attention", "sliding_attention"] and not c.all_layers_sliding
+    assert read_model_config(_folder(tmp_path, sliding_window=64)).sliding_window is None
+    # layer_types written by transformers 5 win over the rule
+    listed = ["sliding_attention", "sliding_attention"]
+    c = read_model_config(_folder(tmp_path, sliding_window=64, layer_types=listed))
+    assert c.layer_types == listed and c.all_layers_sliding
+    # a window as wide as the context never slides: plain attention, and the fused stack stays possible
+    assert read_model_config(_folder(tmp_path, sliding_window=512, layer_types=listed)).sliding_window is None
+    with pytest.raises(InputError, match="layer_types must list 2 of full_attention, sliding_attention"):
+        read_model_config(_folder(tmp_path, sliding_window=64, layer_types=["sliding_attention"]))
 
 
 def test_gguf_unknown_architecture_and_moe_are_refused(qwen3_path, tmp_path):
     path = write_qwen3_gguf(qwen3_path, tmp_path / "moe.gguf", extra_meta={"qwen3.expert_count": 8})
     with pytest.raises(InputError, match=r"qwen3.expert_count=8 \(a mixture-of-experts block\)"):
         read_model_config(path)
-    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma2")
-    w.add_uint32("gemma2.block_count", 1)
+    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma3n")
+    w.add_uint32("gemma3n.block_count", 1)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(InputError, match="unsupported architecture 'gemma2'"):
+    with pytest.raises(InputError, match="unsupported architecture 'gemma3n'"):
         read_model_config(tmp_path / "g.gguf")
 
 

@@ -160,3 +160,80 @@ def test_cpu_kernel_equals_torch_decode(dtype):
     want = decode_torch(q, cache, meta, HD**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+# ---------------------------------------------------------------- sliding windows and soft-capped scores
+
+
+def windowed_reference(q, k, v, prefix, window=None, softcap=None):
+    """dense_reference with a sliding window (query at p sees p - window + 1 .. p) and Gemma 2's cap."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    n, ctx = q.shape[0], k.shape[0]
+    queries, keys = (prefix + torch.arange(n))[:, None], torch.arange(ctx)[None, :]
+    allowed = keys <= queries
+    if window is not None:
+        allowed &= keys > queries - window
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
+
+
+def poison_before_windows(cache, meta, window, poison: int) -> None:
+    """Point every table entry wholly before its row's window at a block of NaNs, as if the block had been
+    freed (the runner reads a freed entry as some other block): a kernel that read one would return NaN."""
+    cache[:, poison] = float("nan")
+    for i in range(meta.num_seqs):
+        n = meta.query_start_loc[i + 1] - meta.query_start_loc[i]
+        first_needed = max(0, meta.seq_lens[i] - n - window + 1)
+        meta.block_tables[i, : first_needed // BS] = poison
+
+
+@pytest.mark.parametrize("window, softcap", [(20, None), (20, 2.0), (None, 2.0), (1, None), (64, None)])
+@pytest.mark.parametrize("backend", ["kernel", "torch"])
+def test_window_and_softcap_match_dense(window, softcap, backend, monkeypatch):
+    from pagedllm.attention import cpu_kernel
+
+    if backend == "torch":
+        monkeypatch.setattr(cpu_kernel, "load", lambda: None)
+    elif cpu_kernel.load() is None:
+        pytest.fail("the C++ decode kernel failed to build (compiler and ninja are installed by setup)")
+    gen = torch.Generator().manual_seed(5)
+    num_blocks = 64
+    # decodes at several lengths, a fresh prompt longer than the window, chunks over cached prefixes
+    shapes = [(1, 1), (19, 1), (20, 1), (21, 1), (100, 1), (37, 37), (100, 37), (70, 5)]
+    tables = scattered_tables([ctx for ctx, _ in shapes], num_blocks - 1, gen)
+    q, k, v, cache, meta, fulls = build_step(
+        [(ctx, n, t) for (ctx, n), t in zip(shapes, tables)], num_blocks, gen
+    )
+    q = q * 3  # larger scores, so the cap bites
+    write_kv(cache, k, v, meta.slot_mapping)
+    if window is not None:
+        poison_before_windows(cache, meta, window, num_blocks - 1)
+    out = paged_attention(q, k, v, cache, meta, HD**-0.5, window, softcap)
+    for i, (qi, kf, vf, prefix) in enumerate(fulls):
+        a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        want = windowed_reference(qi * 3, kf, vf, prefix, window, softcap)
+        torch.testing.assert_close(out[a:b], want, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_window_kernel_matches_its_reference():
+    """bf16 windows take the generic kernel tasks (the AVX512-BF16 ones attend to whole contexts)."""
+    from pagedllm.attention import cpu_kernel
+    from pagedllm.attention.paged import decode_torch
+
+    kernel = cpu_kernel.load()
+    assert kernel is not None
+    gen = torch.Generator().manual_seed(9)
+    lengths = [1, 20, 21, 100]
+    tables = scattered_tables(lengths, 32, gen)
+    cache = torch.randn(2, 32, BS, KVH, HD, generator=gen).to(torch.bfloat16)
+    q = torch.randn(len(lengths), H, HD, generator=gen).to(torch.bfloat16)
+    width = max(len(t) for t in tables)
+    tables_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    meta = AttentionMetadata(torch.zeros(4, dtype=torch.long), [0, 1, 2, 3, 4], lengths, tables_t, 4,
+                             torch.tensor(lengths), BS)  # fmt: skip
+    got = kernel.paged_decode(q, cache, tables_t, meta.seq_lens_tensor, HD**-0.5, 20, 0.0)
+    want = decode_torch(q.float(), cache.float(), meta, HD**-0.5, 20)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)

@@ -84,6 +84,15 @@ def _config_kwargs(shape: dict[str, Any], overrides: dict[str, Any]) -> dict[str
     return kwargs
 
 
+def _save_random(model_cls, config_cls, shape, path, seed, max_shard_size, overrides, tie) -> Path:
+    kwargs = _config_kwargs(shape, overrides)
+    kwargs.setdefault("tie_word_embeddings", tie)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kwargs)).eval()
+    _randomize(model, seed)
+    return _save(model, Path(path), max_shard_size)
+
+
 def save_tiny_llama(
     path: str | Path, seed: int = 0, max_shard_size: str | int | None = None, **config_overrides: Any
 ) -> Path:
@@ -92,24 +101,18 @@ def save_tiny_llama(
     config_overrides go to LlamaConfig, e.g. hidden_size=96, attention_bias=True, tie_word_embeddings=True,
     rope_theta=..., rope_scaling={...}. Returns the folder.
     """
-    kwargs = _config_kwargs(TINY_LLAMA, config_overrides)
-    kwargs.setdefault("tie_word_embeddings", False)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
-    _randomize(model, seed)
-    return _save(model, Path(path), max_shard_size)
+    return _save_random(
+        LlamaForCausalLM, LlamaConfig, TINY_LLAMA, path, seed, max_shard_size, config_overrides, False
+    )
 
 
 def save_tiny_qwen2(
     path: str | Path, seed: int = 0, max_shard_size: str | int | None = None, **config_overrides: Any
 ) -> Path:
     """Write a random Qwen2ForCausalLM (TINY_QWEN2 shape: q/k/v bias, tied embeddings) to `path`."""
-    kwargs = _config_kwargs(TINY_QWEN2, config_overrides)
-    kwargs.setdefault("tie_word_embeddings", True)
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**kwargs)).eval()
-    _randomize(model, seed)
-    return _save(model, Path(path), max_shard_size)
+    return _save_random(
+        Qwen2ForCausalLM, Qwen2Config, TINY_QWEN2, path, seed, max_shard_size, config_overrides, True
+    )
 
 
 def save_tiny_qwen3(
@@ -117,12 +120,9 @@ def save_tiny_qwen3(
 ) -> Path:
     """Write a random Qwen3ForCausalLM (TINY_QWEN3 shape: q/k norms, head_dim 24, no bias, tied
     embeddings) to `path`. The q/k norm weights are drawn around 1 like every other norm."""
-    kwargs = _config_kwargs(TINY_QWEN3, config_overrides)
-    kwargs.setdefault("tie_word_embeddings", True)
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**kwargs)).eval()
-    _randomize(model, seed)
-    return _save(model, Path(path), max_shard_size)
+    return _save_random(
+        Qwen3ForCausalLM, Qwen3Config, TINY_QWEN3, path, seed, max_shard_size, config_overrides, True
+    )
 
 
 def save_tiny_phi3(
@@ -132,12 +132,75 @@ def save_tiny_phi3(
     to `path`. config_overrides go to Phi3Config, e.g. partial_rotary_factor=0.75, or
     rope_scaling={"type": "longrope", "short_factor": [...], "long_factor": [...]} with
     original_max_position_embeddings=..."""
-    kwargs = _config_kwargs(TINY_PHI3, config_overrides)
-    kwargs.setdefault("tie_word_embeddings", False)
-    torch.manual_seed(seed)
-    model = Phi3ForCausalLM(Phi3Config(**kwargs)).eval()
-    _randomize(model, seed)
-    return _save(model, Path(path), max_shard_size)
+    return _save_random(
+        Phi3ForCausalLM, Phi3Config, TINY_PHI3, path, seed, max_shard_size, config_overrides, False
+    )
+
+
+# Gemma 2/3: head_dim 16 with query_pre_attn_scalar 24 (the scale is not 1/sqrt(head_dim)), a sliding window
+# of 20 (shorter than the 100-token prompts, not a multiple of the 16-token block), tied embeddings
+TINY_GEMMA2 = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    query_pre_attn_scalar=24,
+    sliding_window=20,
+    attn_logit_softcapping=5.0,  # small caps, so random scores and logits really are capped
+    final_logit_softcapping=3.0,
+)
+# Gemma 3: layers 0, 1, 3, 4 windowed, 2 global (pattern 3); its two RoPE bases and linear scaling
+TINY_GEMMA3 = dict(
+    hidden_size=64,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    query_pre_attn_scalar=24,
+    sliding_window=20,
+    sliding_window_pattern=3,
+    rope_theta=100000.0,
+    rope_local_base_freq=1000.0,
+    rope_scaling={"rope_type": "linear", "factor": 2.0},
+)
+# Mistral with a window of 20 over every layer: blocks before it are freed as a request moves on
+TINY_MISTRAL = dict(
+    hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, sliding_window=20
+)
+
+
+def save_tiny_gemma2(
+    path: str | Path, seed: int = 0, max_shard_size: str | int | None = None, **config_overrides: Any
+) -> Path:
+    """A random Gemma2ForCausalLM (TINY_GEMMA2: soft-capping, sandwich norms, alternating windows)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return _save_random(
+        Gemma2ForCausalLM, Gemma2Config, TINY_GEMMA2, path, seed, max_shard_size, config_overrides, True
+    )
+
+
+def save_tiny_gemma3(
+    path: str | Path, seed: int = 0, max_shard_size: str | int | None = None, **config_overrides: Any
+) -> Path:
+    """A random Gemma3ForCausalLM text model (TINY_GEMMA3: q/k norms, local and global RoPE bases)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    return _save_random(
+        Gemma3ForCausalLM, Gemma3TextConfig, TINY_GEMMA3, path, seed, max_shard_size, config_overrides, True
+    )
+
+
+def save_tiny_mistral(
+    path: str | Path, seed: int = 0, max_shard_size: str | int | None = None, **config_overrides: Any
+) -> Path:
+    """A random MistralForCausalLM with a 20-token sliding window on every layer (TINY_MISTRAL)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return _save_random(
+        MistralForCausalLM, MistralConfig, TINY_MISTRAL, path, seed, max_shard_size, config_overrides, False
+    )
 
 
 def hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:

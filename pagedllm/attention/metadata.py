@@ -30,17 +30,32 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
-    def prefix_mask(self, i: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """Prefill i's additive attention mask [n, context] in dtype (0 where query j, at position
-        prefix + j, sees key 0..prefix + j; -inf past it) when its chunk follows cached tokens, else None
-        (plain causal). SDPA turns a boolean mask into this same tensor on every call; made once a step,
-        it is shared by every layer."""
+    def window_start(self, i: int, window: int | None) -> int:
+        """The first position prefill i's chunk reads, down to its block's start: under a sliding window
+        its first query (position seq_len - n) sees keys from seq_len - n - window + 1 on."""
+        if window is None:
+            return 0
+        n = self.query_start_loc[i + 1] - self.query_start_loc[i]
+        first = max(0, self.seq_lens[i] - n - window + 1)
+        return first // self.block_size * self.block_size
+
+    def prefix_mask(self, i: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor | None:
+        """Prefill i's additive attention mask [n, context - window_start] in dtype (0 where query j, at
+        position prefix + j, sees the key; -inf where not: past it, or with a window at or before
+        prefix + j - window) when its chunk follows cached tokens or a window applies, else None (plain
+        causal). SDPA turns a boolean mask into this same tensor on every call; made once a step, it is
+        shared by every layer."""
         n = self.query_start_loc[i + 1] - self.query_start_loc[i]
         prefix = self.seq_lens[i] - n
-        if prefix == 0:
+        if prefix == 0 and (window is None or n <= window):
             return None
-        key = (i, dtype)
+        key = (i, dtype, window)
         if key not in self._prefix_masks:
-            sees = torch.arange(self.seq_lens[i])[None, :] <= (prefix + torch.arange(n))[:, None]
+            start = self.window_start(i, window) if prefix else 0  # a fresh prompt's K/V are all there
+            queries = (prefix + torch.arange(n))[:, None]
+            keys = torch.arange(start, self.seq_lens[i])[None, :]
+            sees = keys <= queries
+            if window is not None:
+                sees &= keys > queries - window
             self._prefix_masks[key] = torch.zeros(sees.shape, dtype=dtype).masked_fill_(~sees, float("-inf"))
         return self._prefix_masks[key]

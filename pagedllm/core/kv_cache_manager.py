@@ -1,6 +1,11 @@
 """KVCacheManager: gives requests KV blocks as their tokens arrive, shares prefixes, copies on write.
 
 The block table lives on the request (request.block_ids); this class is the only one that changes it.
+
+With a sliding window over every layer, a block whose tokens all lie before the window of the request's
+next query is never read again: it goes back to the pool (still findable by its hash) and its table entry
+becomes NULL_BLOCK_ID, so the table keeps its positions (vLLM's null block; the runner reads such entries
+as block 0, which no windowed query attends to).
 """
 
 from __future__ import annotations
@@ -9,6 +14,8 @@ from dataclasses import dataclass
 
 from pagedllm.core.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
 from pagedllm.core.request import Request
+
+NULL_BLOCK_ID = -1  # a table entry whose block was freed: wholly before the sliding window
 
 
 def cdiv(a: int, b: int) -> int:
@@ -26,8 +33,15 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+    ):
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
@@ -38,6 +52,8 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         # Copy-on-write (src, dst) pairs since the scheduler last took them; copied before the next forward.
         self.blocks_to_copy: list[tuple[int, int]] = []
+        # How many of a request's leading table entries are NULL_BLOCK_ID (freed out of the window).
+        self.num_skipped_blocks: dict[str, int] = {}
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -117,9 +133,32 @@ class KVCacheManager:
         num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         return num_new_blocks + len(cow) + num_revived, cow, total
 
+    def remove_skipped_blocks(self, request: Request) -> int:
+        """Free the blocks before the sliding window of the request's next query (position
+        num_computed_tokens sees keys from num_computed_tokens - window + 1 on); returns how many."""
+        if self.sliding_window is None:
+            return 0
+        first_needed = request.num_computed_tokens - self.sliding_window + 1
+        skip = min(max(0, first_needed) // self.block_size, len(request.block_ids))
+        done = self.num_skipped_blocks.get(request.request_id, 0)
+        if skip <= done:
+            return 0
+        ids = request.block_ids
+        # latest first: the free queue evicts from its head, so the oldest (a shared prompt's first
+        # blocks, which every later prefix-cache hit needs) stays findable longest
+        self.block_pool.free_blocks(self.block_pool.blocks[ids[i]] for i in reversed(range(done, skip)))
+        ids[done:skip] = [NULL_BLOCK_ID] * (skip - done)
+        self.num_skipped_blocks[request.request_id] = skip
+        return skip - done
+
+    def num_held_blocks(self, request: Request) -> int:
+        """Blocks the request holds: its table less the entries freed out of the window."""
+        return len(request.block_ids) - self.num_skipped_blocks.get(request.request_id, 0)
+
     def can_allocate(
         self, request: Request, num_new_tokens: int, computed_blocks: list[Block] | None = None
     ) -> bool:
+        self.remove_skipped_blocks(request)  # what it gives back counts as free
         needed, _, _ = self._plan(request, num_new_tokens, computed_blocks or [])
         return needed <= self.block_pool.num_free_blocks
 
@@ -133,6 +172,7 @@ class KVCacheManager:
         Only what these tokens need is reserved: decode steps add a block every block_size tokens.
         """
         computed_blocks = computed_blocks or []
+        self.remove_skipped_blocks(request)
         needed, cow, total = self._plan(request, num_new_tokens, computed_blocks)
         if needed > self.block_pool.num_free_blocks:
             return False
@@ -181,7 +221,8 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(request, num_full)
         for i in range(start, num_full):
-            self.block_pool.cache_full_block(self.block_pool.blocks[request.block_ids[i]], hashes[i])
+            if request.block_ids[i] != NULL_BLOCK_ID:
+                self.block_pool.cache_full_block(self.block_pool.blocks[request.block_ids[i]], hashes[i])
         self.num_cached_blocks[request.request_id] = num_full
 
     def fork(self, parent: Request, child: Request, num_tokens: int | None = None) -> None:
@@ -195,18 +236,22 @@ class KVCacheManager:
             raise ValueError(
                 f"fork of {num_tokens} tokens but the parent computed {parent.num_computed_tokens}"
             )
-        shared = [self.block_pool.blocks[i] for i in parent.block_ids[: cdiv(num_tokens, self.block_size)]]
-        self.block_pool.touch(shared)
-        child.block_ids = [b.block_id for b in shared]
+        table = parent.block_ids[: cdiv(num_tokens, self.block_size)]
+        self.block_pool.touch(self.block_pool.blocks[i] for i in table if i != NULL_BLOCK_ID)
+        child.block_ids = list(table)
         child.num_computed_tokens = num_tokens
+        skipped = sum(1 for i in table if i == NULL_BLOCK_ID)
+        if skipped:
+            self.num_skipped_blocks[child.request_id] = skipped
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its tail blocks are evicted before its prefix."""
         pool = self.block_pool
-        pool.free_blocks(pool.blocks[i] for i in reversed(request.block_ids))
+        pool.free_blocks(pool.blocks[i] for i in reversed(request.block_ids) if i != NULL_BLOCK_ID)
         request.block_ids = []
         self.req_block_hashes.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
+        self.num_skipped_blocks.pop(request.request_id, None)
 
     def take_blocks_to_copy(self) -> list[tuple[int, int]]:
         out, self.blocks_to_copy = self.blocks_to_copy, []

@@ -34,7 +34,10 @@ class Scheduler:
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(
-            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            cache_config.num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            cache_config.sliding_window,
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

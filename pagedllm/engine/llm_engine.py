@@ -198,7 +198,9 @@ class LLMEngine:
                 num_kv_blocks * block_size,
             )
             self.max_model_len = num_kv_blocks * block_size
-        self.cache_config = CacheConfig(block_size, num_kv_blocks, kv_cache_dtype, enable_prefix_caching)
+        # every layer windowed: a request's blocks before its window go back to the pool as it moves on
+        window = cfg.sliding_window if cfg.all_layers_sliding else None
+        self.cache_config = CacheConfig(block_size, num_kv_blocks, kv_cache_dtype, enable_prefix_caching, window)
         self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
         if tensor_parallel_size > 1:

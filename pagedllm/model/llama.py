@@ -1,7 +1,10 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral without sliding window, Qwen2, Qwen3, Phi-3/Phi-4-mini)
-over a paged KV cache. The families differ in features the config names (model/loader/registry.py): q/k/v
-and o biases, Qwen3's RMSNorm over each head's q and k (q_norm / k_norm, None where the family has none),
-and Phi's partial rotary (config.rotary_dim) and LongRoPE (layers/rotary.py). Phi-3's fused qkv_proj and
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3/Phi-4-mini, Gemma 2/3) over a
+paged KV cache. The families differ in features the config names (model/loader/registry.py): q/k/v and o
+biases, Qwen3's RMSNorm over each head's q and k (q_norm / k_norm, None where the family has none), Phi's
+partial rotary (config.rotary_dim) and LongRoPE (layers/rotary.py), sliding-window attention in the layers
+config.layer_types marks, and Gemma's: GeGLU, (1 + weight) RMSNorms around each sublayer as well as
+before it, embeddings scaled by sqrt(hidden_size), soft-capped attention scores and logits, its own
+attention scale, and (Gemma 3) a second RoPE base for the sliding layers. Phi-3's fused qkv_proj and
 gate_up_proj are split into q/k/v and gate/up at load (model/loader/hf_config.py), so it is this model.
 
 The model sees one flat batch of new tokens from many sequences; it knows nothing of requests. K/V are
@@ -16,7 +19,6 @@ the decoder layers instead of the loop below, when it implements every feature o
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
@@ -24,13 +26,17 @@ from pagedllm.attention.paged import paged_attention, write_kv
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import all_gather, all_reduce
 from pagedllm.model import decode_stack
-from pagedllm.model.layers.activation import silu_and_mul
-from pagedllm.model.layers.norm import RMSNorm
+from pagedllm.model.layers.activation import act, act_and_mul
+from pagedllm.model.layers.norm import GemmaRMSNorm, RMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding, rotate
 
 
+def norm_class(config: ModelConfig) -> type[RMSNorm]:
+    return GemmaRMSNorm if config.gemma_norms else RMSNorm
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_heads,
@@ -45,9 +51,12 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=config.o_proj_bias)
         # Qwen3: one RMSNorm over each head's q (and k), weight [head_dim] shared by every head, so
         # tensor parallelism keeps it whole on every rank
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.scale = self.head_dim**-0.5
+        norm = norm_class(config)
+        self.q_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.softcap = config.attn_logit_softcapping  # Gemma 2
+        self.sliding_window = config.sliding_window if config.is_sliding(layer_idx) else None
         self.qkv_proj: nn.Module | None = None  # q/k/v in one matmul, set by fuse.py for inference
         self.qkv_sizes = (self.num_heads * self.head_dim, *(2 * [self.num_kv_heads * self.head_dim]))
 
@@ -66,7 +75,7 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
         q, k = rotate(q, k, *rope)
         write_kv(kv_cache, k, v, meta.slot_mapping)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.softcap)
         # under tensor parallelism each rank holds some heads: the o rows' partial products add up here
         return all_reduce(self.o_proj(o.reshape(t, -1)))
 
@@ -79,25 +88,35 @@ class LlamaMLP(nn.Module):
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
         self.gate_up_proj: nn.Module | None = None  # gate/up in one matmul, set by fuse.py for inference
+        self.hidden_act = config.hidden_act  # silu, or Gemma's tanh GELU (GeGLU)
 
     def forward(self, x):
         if self.gate_up_proj is not None:
-            h = silu_and_mul(self.gate_up_proj(x))
+            h = act_and_mul(self.gate_up_proj(x), self.hidden_act)
         else:
-            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+            h = act(self.gate_proj(x), self.hidden_act) * self.up_proj(x)
         return all_reduce(self.down_proj(h))  # each rank's slice of the intermediate size adds up
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        self.self_attn = LlamaAttention(config)
+        self.layer_idx = layer_idx  # families differ per layer: sliding-window or global attention, MoE or dense
+        self.self_attn = LlamaAttention(config, layer_idx)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm, d, eps = norm_class(config), config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = norm(d, eps)
+        self.post_attention_layernorm = norm(d, eps)
+        # Gemma's sandwich: post_attention_layernorm norms the attention's output before the residual add,
+        # and the MLP has a norm before it (what Llama's post_attention_layernorm is) and one after it
+        self.pre_feedforward_layernorm = norm(d, eps) if config.gemma_norms else None
+        self.post_feedforward_layernorm = norm(d, eps) if config.gemma_norms else None
 
     def forward(self, x, rope, kv_cache, meta):
         attn = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+        if self.pre_feedforward_layernorm is not None:
+            x, h = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(attn), x)
+            return x + self.post_feedforward_layernorm(self.mlp(h))
         x, h = self.post_attention_layernorm.add_forward(attn, x)  # x + attn, and its norm in one pass
         return x + self.mlp(h)
 
@@ -106,8 +125,18 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = norm_class(config)(config.hidden_size, config.rms_norm_eps)
+
+
+def rotary_embeddings(config: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
+    """The RoPE tables, and Gemma 3's second ones for its sliding layers (their own base, no scaling)."""
+    rotary = RotaryEmbedding(
+        config.rotary_width, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+    )
+    if config.rope_local_theta is None:
+        return rotary, None
+    return rotary, RotaryEmbedding(config.rotary_width, config.max_position_embeddings, config.rope_local_theta)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -115,9 +144,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.rotary = RotaryEmbedding(
-            config.rotary_width, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
+        self.rotary, self.rotary_local = rotary_embeddings(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -133,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         rope = self.rotary.cos_sin(positions, x.dtype)
         if self.decode_stack is not None and decode_stack.applies(meta, x, kv_caches):
             prefill = decode_stack.is_fresh_prefill(meta)
@@ -141,9 +168,18 @@ class LlamaForCausalLM(nn.Module):
                 x, *rope, kv_caches, meta.block_tables, meta.seq_lens_tensor, meta.slot_mapping, prefill
             )
         else:
+            local = self.rotary_local.cos_sin(positions, x.dtype) if self.rotary_local is not None else rope
             for layer, kv_cache in zip(self.model.layers, kv_caches):
-                x = layer(x, rope, kv_cache, meta)
+                x = layer(x, local if layer.self_attn.sliding_window else rope, kv_cache, meta)
         return self.model.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """What enters decoder layer 0: the token embeddings (Gemma: times sqrt(hidden_size), rounded to
+        the model's dtype first, as transformers does)."""
+        x = self.model.embed_tokens(input_ids)
+        if self.config.gemma_norms:
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
@@ -152,6 +188,9 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         if self.tp_vocab_size is not None:  # every rank's vocabulary slice, in order
             logits = all_gather(logits)[..., : self.tp_vocab_size]
+        cap = self.config.final_logit_softcapping  # Gemma 2
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         return logits.float() if upcast else logits
 
     @classmethod
@@ -169,9 +208,9 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:  # to_empty gives each parameter its own storage: tie again
             model.lm_head.weight = model.model.embed_tokens.weight
         # non-persistent buffers are not in the checkpoint: compute them for real
-        model.rotary = RotaryEmbedding(
-            config.rotary_width, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        ).to(device=device, dtype=dtype)
+        model.rotary, model.rotary_local = (
+            r.to(device=device, dtype=dtype) if r is not None else None for r in rotary_embeddings(config)
+        )
         model.load_weights(weights)
         return model.eval()
 

@@ -30,8 +30,7 @@ from safetensors.torch import save_file
 
 from pagedllm.config import ModelConfig
 from pagedllm.errors import InputError
-from pagedllm.model.layers.rotary import RotaryEmbedding
-from pagedllm.model.llama import LlamaForCausalLM
+from pagedllm.model.llama import LlamaForCausalLM, rotary_embeddings
 from pagedllm.model.loader import registry
 from pagedllm.model.loader.hf_config import read_hf_config
 from pagedllm.model.loader.safetensors import safetensors_files
@@ -73,7 +72,7 @@ def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,
         "head_dim": config.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": config.hidden_act,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
         "rope_scaling": config.rope_scaling,
@@ -82,8 +81,26 @@ def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
         "attention_bias": config.attention_bias,
         "bos_token_id": config.bos_token_id,
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
-        "use_sliding_window": False,
+        "use_sliding_window": config.sliding_window is not None,
+        "sliding_window": config.sliding_window,
+        "layer_types": config.layer_types,
+        **_gemma_keys(config),
     }
+
+
+def _gemma_keys(config: ModelConfig) -> dict[str, Any]:
+    """Gemma's config.json keys (read_hf_config reads them for a Gemma architecture only)."""
+    if not config.gemma_norms:
+        return {}
+    keys = {
+        "hidden_activation": config.hidden_act,
+        "query_pre_attn_scalar": config.query_pre_attn_scalar,
+        "attn_logit_softcapping": config.attn_logit_softcapping,
+        "final_logit_softcapping": config.final_logit_softcapping,
+    }
+    if config.rope_local_theta is not None:
+        keys["rope_local_base_freq"] = config.rope_local_theta
+    return keys
 
 
 def integer_zero_points(layer: QuantLinear) -> torch.Tensor:
@@ -218,8 +235,6 @@ def load_quantized(
             m._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.rotary = RotaryEmbedding(
-        config.rotary_width, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-    ).to(dtype=dtype)
+    model.rotary, model.rotary_local = (r.to(dtype=dtype) if r else None for r in rotary_embeddings(config))
     model.load_weights({k: v.to(torch.float32) for k, v in tensors.items()})
     return model.eval(), config

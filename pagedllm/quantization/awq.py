@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.model.layers.norm import GemmaRMSNorm
 from pagedllm.quantization.calib import (
     check_group_size,
     collect_inputs,
@@ -99,7 +100,15 @@ def _attention(attn: nn.Module, x: torch.Tensor, rotary) -> torch.Tensor:
     """The attention module alone on one whole sequence x [T, hidden] (already normed), fresh KV cache."""
     meta, num_blocks = prefill_metadata(x.shape[0])
     cache = torch.zeros(2, num_blocks, meta.block_size, attn.num_kv_heads, attn.head_dim, dtype=x.dtype)
-    return attn(x, rotary.cos_sin(torch.arange(x.shape[0]), x.dtype), cache, meta)
+    return attn(x, rotary.cos_sin(attn, torch.arange(x.shape[0]), x.dtype), cache, meta)
+
+
+def _fold_into_norm(norm: nn.Module, s: torch.Tensor) -> None:
+    """The norm's output divided by s: its weight, or for Gemma's (1 + weight) norms the whole factor."""
+    if isinstance(norm, GemmaRMSNorm):
+        norm.weight.copy_((1.0 + norm.weight) / s - 1.0)
+    else:
+        norm.weight.div_(s)
 
 
 def _spread_tokens(samples: list[torch.Tensor], n: int) -> torch.Tensor:
@@ -180,13 +189,14 @@ def awq_quantize_layer(
         scale_group(
             [attn.q_proj, attn.k_proj, attn.v_proj],
             "self_attn.q_proj",
-            lambda s: layer.input_layernorm.weight.div_(s),
+            lambda s: _fold_into_norm(layer.input_layernorm, s),
             block=attn_block,
         )
         scale_group(
             [mlp.gate_proj, mlp.up_proj],
             "mlp.gate_proj",
-            lambda s: layer.post_attention_layernorm.weight.div_(s),
+            # the norm the MLP reads: Gemma's pre_feedforward_layernorm, Llama's post_attention_layernorm
+            lambda s: _fold_into_norm(layer.pre_feedforward_layernorm or layer.post_attention_layernorm, s),
             block=mlp_block,
         )
         scale_group([mlp.down_proj], "mlp.down_proj", lambda s: mlp.up_proj.weight.div_(s[:, None]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -78,25 +79,38 @@ def prefill_metadata(num_tokens: int, block_size: int = 16) -> tuple[AttentionMe
     return meta, num_blocks
 
 
-def run_layer(layer: nn.Module, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+@dataclass
+class CalibRotary:
+    """The model's RoPE tables in float32 (a bf16 model keeps them in bf16), both where Gemma 3's sliding
+    layers have their own base."""
+
+    rotary: RotaryEmbedding
+    local: RotaryEmbedding | None = None
+
+    def cos_sin(self, attn: nn.Module, positions: torch.Tensor, dtype: torch.dtype):
+        """cos/sin for the attention module `attn` (its layer's table) at `positions`."""
+        local = self.local is not None and attn.sliding_window is not None
+        return (self.local if local else self.rotary).cos_sin(positions, dtype)
+
+
+def run_layer(layer: nn.Module, x: torch.Tensor, rotary: CalibRotary) -> torch.Tensor:
     """One decoder layer on one whole sequence x [T, D], with a fresh paged KV cache of its own."""
     attn = layer.self_attn
     meta, num_blocks = prefill_metadata(x.shape[0])
     cache = torch.zeros(2, num_blocks, meta.block_size, attn.num_kv_heads, attn.head_dim, dtype=x.dtype)
-    rope = rotary.cos_sin(torch.arange(x.shape[0]), x.dtype)
+    rope = rotary.cos_sin(attn, torch.arange(x.shape[0]), x.dtype)
     return layer(x, rope, cache, meta)
 
 
 def layer0_inputs(model: nn.Module, calib: list[torch.Tensor]) -> list[torch.Tensor]:
-    """What enters decoder layer 0 for each sample: the token embeddings, in float32."""
+    """What enters decoder layer 0 for each sample: the (scaled, for Gemma) embeddings, in float32."""
     with torch.no_grad():
-        return [model.model.embed_tokens(ids).float() for ids in calib]
+        return [model.embed(ids).float() for ids in calib]
 
 
-def float_rotary(model: nn.Module) -> RotaryEmbedding:
-    """The model's rotary tables in float32 (a bf16 model keeps them in bf16)."""
-    rotary = copy.deepcopy(model.rotary)
-    return rotary.float()
+def float_rotary(model: nn.Module) -> CalibRotary:
+    local = model.rotary_local
+    return CalibRotary(copy.deepcopy(model.rotary).float(), copy.deepcopy(local).float() if local else None)
 
 
 class _StopForward(Exception):
@@ -106,7 +120,7 @@ class _StopForward(Exception):
 def collect_inputs(
     layer: nn.Module,
     xs: list[torch.Tensor],
-    rotary: RotaryEmbedding,
+    rotary: CalibRotary,
     names: tuple[str, ...] = LINEARS,
     on_input: Callable[[str, torch.Tensor], None] | None = None,
     stop_early: bool = False,
@@ -143,7 +157,7 @@ def collect_inputs(
     return None if on_input else {n: torch.cat(v) for n, v in store.items()}
 
 
-LayerFn = Callable[[nn.Module, list[torch.Tensor], RotaryEmbedding], dict[str, QuantizedTensor]]
+LayerFn = Callable[[nn.Module, list[torch.Tensor], CalibRotary], dict[str, QuantizedTensor]]
 
 
 def quantize_layers(

@@ -163,6 +163,8 @@ class ModelRunner:
         block_tables = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
         for row, table in zip(block_tables, tables):
             row[: len(table)] = table
+        # entries freed out of a sliding window (NULL_BLOCK_ID, -1) read as block 0: no query attends there
+        np.maximum(block_tables, 0, out=block_tables)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long),
             query_start_loc=query_start_loc,

@@ -36,17 +36,21 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
 
 // HEAD_DIM > 0 fixes head_dim at compile time (fully unrolled, vectorized inner loops); 0 = any.
 // Tasks [begin, end) of the B * KVH (sequence, KV head) pairs. q_stride: elements from one sequence's
-// query [H, D] to the next (H * D when contiguous); out is [B, H, D] contiguous.
+// query [H, D] to the next (H * D when contiguous); out is [B, H, D] contiguous. window > 0: only the last
+// `window` positions are read (sliding-window attention; the blocks before may be gone from the table);
+// softcap > 0: scores become softcap * tanh(score / softcap) before the softmax (Gemma 2).
 template <typename scalar_t, int64_t HEAD_DIM>
 void decode_tasks(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, const scalar_t* v_cache,
                   const int64_t* tables, const int64_t* lens, scalar_t* out, int64_t H, int64_t KVH,
-                  int64_t head_dim, int64_t BS, int64_t max_blocks, float scale, int64_t begin, int64_t end) {
+                  int64_t head_dim, int64_t BS, int64_t max_blocks, float scale, int64_t window, float softcap,
+                  int64_t begin, int64_t end) {
   const int64_t D = HEAD_DIM > 0 ? HEAD_DIM : head_dim;
   const int64_t G = H / KVH;
   std::vector<float> qf(G * D), acc(G * D), scores;
   for (int64_t task = begin; task < end; ++task) {
     const int64_t b = task / KVH, h = task % KVH;
-    const int64_t L = lens[b];
+    const int64_t t0 = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+    const int64_t L = lens[b] - t0;  // positions read: t0 .. lens[b] - 1, scores[g * L + t - t0]
     scores.assign(G * L, 0.f);
     for (int64_t g = 0; g < G; ++g)
       for (int64_t d = 0; d < D; ++d) qf[g * D + d] = float(q[b * q_stride + (h * G + g) * D + d]) * scale;
@@ -54,10 +58,10 @@ void decode_tasks(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, 
     // than it computes: a sequence's blocks are scattered, so the hardware prefetcher cannot guess the
     // next one; each token's row of the next block (K, and V for the second pass) is asked for ahead.
     const int64_t* table = tables + b * max_blocks;
-    for (int64_t t = 0; t < L; ++t) {
+    for (int64_t t = t0; t < lens[b]; ++t) {
       const int64_t slot = table[t / BS] * BS + t % BS;
       const scalar_t* k = k_cache + (slot * KVH + h) * D;
-      if (t + BS < L) {
+      if (t + BS < lens[b]) {
         const int64_t ahead = ((table[t / BS + 1] * BS + t % BS) * KVH + h) * D;
         for (int64_t d = 0; d < D; d += 64 / sizeof(scalar_t)) {
           __builtin_prefetch(k_cache + ahead + d, 0, 3);
@@ -72,23 +76,23 @@ void decode_tasks(const scalar_t* q, int64_t q_stride, const scalar_t* k_cache, 
         const float* qg = qf.data() + g * D;
 #pragma omp simd reduction(+ : s)
         for (int64_t d = 0; d < D; ++d) s += qg[d] * kf[d];
-        scores[g * L + t] = s;
+        scores[g * L + t - t0] = softcap > 0.f ? softcap * std::tanh(s / softcap) : s;
       }
     }
     softmax_rows(scores.data(), G, L);
     // out = p . v
     std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t t = 0; t < L; ++t) {
+    for (int64_t t = t0; t < lens[b]; ++t) {
       const int64_t slot = table[t / BS] * BS + t % BS;
       const scalar_t* v = v_cache + (slot * KVH + h) * D;
-      if (t + BS < L)
+      if (t + BS < lens[b])
         for (int64_t d = 0; d < D; d += 64 / sizeof(scalar_t))
           __builtin_prefetch(v_cache + ((table[t / BS + 1] * BS + t % BS) * KVH + h) * D + d, 0, 3);
       float vf[256];
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) vf[d] = float(v[d]);
       for (int64_t g = 0; g < G; ++g) {
-        const float p = scores[g * L + t];
+        const float p = scores[g * L + t - t0];
         float* ag = acc.data() + g * D;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) ag[d] += p * vf[d];
@@ -153,8 +157,10 @@ inline bool decode_bf16(const c10::BFloat16* q, int64_t q_stride, const c10::BFl
 
 // q [B, H, D] (each sequence's [H, D] contiguous, rows may be strided); kv_cache [2, num_blocks,
 // block_size, KVH, D]; block_tables [B, max_blocks] int64; seq_lens [B] int64. Returns [B, H, D] in q's dtype.
+// window > 0: sliding-window attention over the last `window` positions; softcap > 0: Gemma 2's soft-capped
+// scores (both 0 for plain attention; the bf16 tasks run plain attention only).
 inline at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor block_tables, at::Tensor seq_lens,
-                                double scale) {
+                                double scale, int64_t window = 0, double softcap = 0.0) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5, "paged_decode: bad ranks");
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "paged_decode: q and cache dtypes differ");
   TORCH_CHECK(kv_cache.size(4) <= 256, "paged_decode: head_dim above 256");
@@ -173,14 +179,14 @@ inline at::Tensor paged_decode(at::Tensor q, at::Tensor kv_cache, at::Tensor blo
       for_balanced_tasks(lens, B, KVH, [&](int64_t begin, int64_t end) {
         kernel(q.data_ptr<scalar_t>(), q.stride(0), base, base + NB * BS * KVH * D, block_tables.data_ptr<int64_t>(),
                seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), H, KVH, D, BS, block_tables.size(1),
-               (float)scale, begin, end);
+               (float)scale, window, (float)softcap, begin, end);
       });
     };
 #ifdef PAGEDLLM_DECODE_BF16
     // (the casts only keep the other dtypes' instantiations compiling: this branch runs for bf16)
     using bf16 = c10::BFloat16;
     const bf16* k_base = reinterpret_cast<const bf16*>(base);
-    if (std::is_same_v<scalar_t, bf16> &&
+    if (std::is_same_v<scalar_t, bf16> && window <= 0 && softcap <= 0.0 &&
         decode_bf16(reinterpret_cast<const bf16*>(q.data_ptr<scalar_t>()), q.stride(0), k_base,
                     k_base + NB * BS * KVH * D, block_tables.data_ptr<int64_t>(), block_tables.size(1), lens, B, H,
                     KVH, D, BS, (float)scale, reinterpret_cast<bf16*>(out.data_ptr<scalar_t>())))

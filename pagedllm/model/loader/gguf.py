@@ -218,28 +218,91 @@ def gguf_model_config(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path:
         if key in meta and int(meta[key]) not in eos_ids:
             eos_ids.append(int(meta[key]))
     bos = meta.get("tokenizer.ggml.bos_token_id")
+    n_layers = int(_get(meta, f"{arch}.block_count", path))
+    max_pos = int(meta.get(f"{arch}.context_length", 2048))
+    window, layer_types = _sliding_window(entry, meta, n_layers, max_pos, path)
+    gemma = entry.gemma
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=d_model,
         intermediate_size=int(_get(meta, f"{arch}.feed_forward_length", path)),
-        num_layers=int(_get(meta, f"{arch}.block_count", path)),
+        num_layers=n_layers,
         num_heads=n_heads,
         num_kv_heads=n_kv,
         head_dim=head_dim,
         rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
-        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
+        max_position_embeddings=max_pos,
         tie_word_embeddings="output.weight" not in shapes,  # no separate output matrix: tied
         # the family's q/k/v bias, or biases the file simply has
         attention_bias=entry.qkv_bias or "blk.0.attn_q.bias" in shapes,
         o_proj_bias="blk.0.attn_output.bias" in shapes,
         qk_norm=entry.qk_norm,
         rotary_dim=rotary_dim,
+        sliding_window=window,
+        layer_types=layer_types,
+        # llama.cpp's Gemma 3: 10000 for the sliding layers unless the file says
+        rope_local_theta=float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)) if entry.local_rope_base else None,
+        hidden_act="gelu_pytorch_tanh" if gemma else "silu",
+        gemma_norms=gemma,
+        attn_logit_softcapping=_positive(meta.get(f"{arch}.attn_logit_softcapping")) if gemma else None,
+        final_logit_softcapping=_positive(meta.get(f"{arch}.final_logit_softcapping")) if gemma else None,
+        query_pre_attn_scalar=_gemma_query_scalar(entry, d_model, n_heads, head_dim, n_layers),
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=eos_ids,
         architecture=entry.name,
     )
+
+
+def _positive(value: Any) -> float | None:
+    return float(value) if value else None
+
+
+def _sliding_window(
+    entry: registry.Architecture, meta: dict[str, Any], n_layers: int, max_pos: int, path: Path
+) -> tuple[int | None, list[str] | None]:
+    """{arch}.attention.sliding_window over the layers {arch}.attention.sliding_window_pattern marks (an
+    int: every n-th layer global; or one bool per layer, true = windowed), else the family's rule, as
+    llama.cpp applies it; (None, None) where no window slides within the context."""
+    arch = entry.gguf_architecture
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if not window or entry.sliding_layers in ("none", "max_window_layers"):
+        return None, None  # llama.cpp runs Qwen2/3 and Llama-arch files without windows
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if pattern is None:
+        pattern = entry.sliding_window_pattern if entry.sliding_layers == "pattern" else None
+    if pattern is None:
+        types = ["sliding_attention"] * n_layers
+    elif isinstance(pattern, (int, np.integer)):
+        types = registry.pattern_layer_types(n_layers, int(pattern))
+    else:
+        marks = [bool(x) for x in pattern]
+        if len(marks) != n_layers:
+            raise InputError(
+                f"GGUF file {path}: {arch}.attention.sliding_window_pattern has {len(marks)} entries for "
+                f"{n_layers} layers",
+                param="model",
+            )
+        types = ["sliding_attention" if m else "full_attention" for m in marks]
+    if int(window) >= max_pos or "sliding_attention" not in types:
+        return None, None
+    return int(window), types
+
+
+# Gemma's 27B models scale attention by hidden / heads rather than head_dim (query_pre_attn_scalar); GGUF
+# has no key for it, so llama.cpp tells them by their layer count, and so does this
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_query_scalar(
+    entry: registry.Architecture, d_model: int, n_heads: int, head_dim: int, n_layers: int
+) -> float | None:
+    if not entry.gemma:
+        return None
+    if _GEMMA_27B_LAYERS.get(entry.gguf_architecture) == n_layers:
+        return float(d_model // n_heads)
+    return float(head_dim)
 
 
 def read_gguf_config(path: str | Path) -> ModelConfig:
@@ -248,13 +311,14 @@ def read_gguf_config(path: str | Path) -> ModelConfig:
     return gguf_model_config(header.metadata, header.tensors, path)
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """llama.cpp tensor name -> HF Llama name; None for tensors we do not use (e.g. rope_freqs)."""
+def hf_name(gguf_name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str | None:
+    """llama.cpp tensor name -> HF Llama name (a family's own table: registry.gguf_layer_names); None for
+    tensors we do not use (e.g. rope_freqs)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in layer_names:
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -311,8 +375,10 @@ def load_gguf(
         # Llama-3.1 style files store RoPE frequency factors as a tensor instead of rope_scaling keys;
         # they only matter past the original context length, so warn rather than refuse.
         warnings.warn(f"{path}: rope_freqs.weight (per-dimension RoPE factors) is ignored", stacklevel=2)
+    entry = registry.get(config.architecture)
+    layer_names = registry.gguf_layer_names(entry)
     for info in tqdm(header.tensors, desc=f"loading {path.name}", disable=not show_progress, leave=False):
-        name = hf_name(info.name)
+        name = hf_name(info.name, layer_names)
         if name is None:
             continue
         if name.endswith(".mlp.up_proj.weight") and info.shape[0] == 2 * config.intermediate_size:
@@ -325,6 +391,8 @@ def load_gguf(
             w = unpermute_qk(w, config.num_heads)
         elif permuted and ".self_attn.k_proj." in name:
             w = unpermute_qk(w, config.num_kv_heads)
+        if entry.gemma and name.endswith("norm.weight"):
+            w = w - 1.0  # convert_hf_to_gguf stores Gemma's norms as 1 + weight; the model adds the 1
         # require(W) copies the memory-mapped F32 tensors, which are read-only views of the file.
         weights[name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"]))
         if quantized is not None:

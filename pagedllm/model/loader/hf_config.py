@@ -20,8 +20,12 @@ def _field(cfg: dict[str, Any], key: str, file: Path) -> Any:
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling or None). transformers 5 writes rope_parameters; 4.x rope_theta/rope_scaling."""
-    merged = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    """(rope_theta, rope_scaling or None). transformers 5 writes rope_parameters; 4.x rope_theta/rope_scaling.
+    Gemma 3's rope_parameters are per layer type: the global layers' are these (_local_rope_theta the rest)."""
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:
+        params = params["full_attention"] or {}
+    merged = {**(cfg.get("rope_scaling") or {}), **params}
     theta = float(merged.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0)
     merged.pop("partial_rotary_factor", None)  # ModelConfig.rotary_dim carries it
     if "type" in merged:  # old spelling of rope_type
@@ -58,6 +62,21 @@ def _longrope(scaling: dict, cfg: dict[str, Any], rotary_dim: int, file: Path) -
     return scaling
 
 
+def _local_rope_theta(entry: registry.Architecture, cfg: dict[str, Any], file: Path) -> float | None:
+    """Gemma 3's sliding layers' RoPE base: rope_parameters.sliding_attention (transformers 5) or
+    rope_local_base_freq (4.x), 10000 by default; their RoPE has no scaling."""
+    if not entry.local_rope_base:
+        return None
+    local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise InputError(
+            f"{file}: rope_parameters.sliding_attention.rope_type {local['rope_type']!r} is not supported "
+            "(the sliding layers' RoPE is unscaled)",
+            param="model",
+        )
+    return float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0)
+
+
 def read_hf_config(folder: str | Path) -> ModelConfig:
     folder = Path(folder)
     file = folder / "config.json"
@@ -84,10 +103,12 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
         scaling["rope_type"] = "longrope"  # old Phi-3 spellings, as transformers' Phi3Config reads them
     if scaling and scaling.get("rope_type") == "longrope":
         scaling = _longrope(scaling, cfg, rotary_dim or head_dim, file)
-    # no sliding-window attention here: the registry's policy caps the context where a window would matter
     max_pos = int(cfg.get("max_position_embeddings") or 2048)
-    max_pos = registry.hf_context_length(entry, cfg, max_pos, str(file))
+    num_layers = int(_field(cfg, "num_hidden_layers", file))
+    window, layer_types = registry.sliding_window_layers(entry, cfg, num_layers, max_pos, str(file))
     attention_bias = bool(cfg.get("attention_bias", False))
+    gemma = entry.gemma
+    scalar = cfg.get("query_pre_attn_scalar") if gemma else None
     eos = cfg.get("eos_token_id")
     eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else [])]
     bos = cfg.get("bos_token_id")
@@ -95,7 +116,7 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
         vocab_size=int(_field(cfg, "vocab_size", file)),
         hidden_size=hidden,
         intermediate_size=int(_field(cfg, "intermediate_size", file)),
-        num_layers=int(_field(cfg, "num_hidden_layers", file)),
+        num_layers=num_layers,
         num_heads=n_heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
         head_dim=head_dim,
@@ -103,16 +124,28 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
         rope_theta=theta,
         rope_scaling=scaling,
         max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", entry.tie_word_embeddings_default)),
         # Qwen2 always has q/k/v bias; Llama and Qwen3 have q/k/v/o bias when attention_bias is set.
         attention_bias=entry.qkv_bias or attention_bias,
         o_proj_bias=attention_bias and entry.o_bias_with_attention_bias,
         qk_norm=entry.qk_norm,
         rotary_dim=rotary_dim,
+        sliding_window=window,
+        layer_types=layer_types,
+        rope_local_theta=_local_rope_theta(entry, cfg, file),
+        hidden_act=registry.hidden_act(cfg),
+        gemma_norms=gemma,
+        attn_logit_softcapping=_float_or_none(cfg.get("attn_logit_softcapping")) if gemma else None,
+        final_logit_softcapping=_float_or_none(cfg.get("final_logit_softcapping")) if gemma else None,
+        query_pre_attn_scalar=float(scalar) if scalar else None,
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=eos_ids,
         architecture=entry.name,
     )
+
+
+def _float_or_none(value: Any) -> float | None:
+    return float(value) if value else None
 
 
 def expected_weight_names(config: ModelConfig) -> list[str]:
@@ -131,6 +164,8 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
             names.append(p + "self_attn.o_proj.bias")
         if config.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        if config.gemma_norms:
+            names += [p + "pre_feedforward_layernorm.weight", p + "post_feedforward_layernorm.weight"]
     return names
 
 

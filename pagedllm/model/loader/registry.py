@@ -12,10 +12,10 @@ A checkpoint whose architecture has no entry, or whose config turns on a feature
 (a MoE block, logit soft-capping, partial rotary, a q/k norm on a family without one), is refused with
 one InputError line naming the architecture or the key: it is never run as Llama and silently diverges.
 
-Sliding-window attention is not implemented. Every entry's policy is "cap": where a config uses a window
-shorter than its context, the context is capped at the window, so every answer stays exact (a window
-never slides within it). A family whose windows could not be handled that way would say None and be
-refused.
+Sliding-window attention: which layers a config's `sliding_window` applies to is the family's rule
+(`sliding_layers`, as transformers applies it), unless config.json lists `layer_types` and the family
+reads them. Mistral and Phi-3 window every layer; Qwen2/3 the layers from max_window_layers on, and only
+with use_sliding_window; Gemma 2 every other layer, Gemma 3 five of every six.
 """
 
 from __future__ import annotations
@@ -37,8 +37,17 @@ class Architecture:
     o_bias_with_attention_bias: bool = True  # config attention_bias covers o_proj too (Llama, Qwen3)
     qk_norm: bool = False  # an RMSNorm over each head's q and k, before rotary (Qwen3)
     gguf_permuted_qk: bool = False  # convert_hf_to_gguf permutes Q/K rows (the llama arch only)
-    sliding_window: str | None = "cap"  # "cap": context capped at the window; None: a used window is refused
-    window_used_by_default: bool = True  # when config.json has sliding_window but no use_sliding_window
+    # which layers config.json's sliding_window applies to, where it lists no layer_types: "none" (Llama
+    # ignores the key), "all" (layer_types ignored too, as transformers does), "max_window_layers" (Qwen:
+    # with use_sliding_window, layers max_window_layers..), "pattern" (every sliding_window_pattern-th
+    # layer global, the rest windowed: Gemma 2's 2, Gemma 3's 6 unless the config says)
+    sliding_layers: str = "none"
+    sliding_window_pattern: int = 0  # the "pattern" default
+    # Gemma 2/3: (1 + weight) RMSNorms before and after each sublayer, embeddings scaled by sqrt(hidden),
+    # tanh-GELU GeGLU, an attention scale from query_pre_attn_scalar, soft-capping where configured
+    gemma: bool = False
+    local_rope_base: bool = False  # Gemma 3: the sliding layers' own RoPE base (rope_local_base_freq)
+    tie_word_embeddings_default: bool = False  # when config.json leaves tie_word_embeddings out
     # checkpoints store q/k/v as one qkv_proj ([q; k; v] rows) and gate/up as one gate_up_proj ([gate; up]
     # rows), GGUF as attn_qkv and ffn_up (Phi-3): split at load into the usual names
     fused_qkv_gate_up: bool = False
@@ -52,6 +61,9 @@ class Architecture:
             "q/k norm": self.qk_norm,
             "fused qkv/gate_up storage": self.fused_qkv_gate_up,
             "partial rotary": self.partial_rotary,
+            "sliding window": self.sliding_layers != "none",
+            "Gemma norms, GeGLU and soft-capping": self.gemma,
+            "local RoPE base": self.local_rope_base,
         }
         return tuple(k for k, v in named.items() if v)
 
@@ -59,7 +71,7 @@ class Architecture:
 ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture("llama", ("LlamaForCausalLM",), "llama", "llama", gguf_permuted_qk=True),
     # llama.cpp writes Mistral (7B v0.1-v0.3) files as arch "llama": they load as llama
-    Architecture("mistral", ("MistralForCausalLM",), "mistral", None),
+    Architecture("mistral", ("MistralForCausalLM",), "mistral", None, sliding_layers="all"),
     Architecture(
         "qwen2",
         ("Qwen2ForCausalLM",),
@@ -67,14 +79,45 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "qwen2",
         qkv_bias=True,
         o_bias_with_attention_bias=False,
-        window_used_by_default=False,
+        sliding_layers="max_window_layers",
     ),
     Architecture(
-        "qwen3", ("Qwen3ForCausalLM",), "qwen3", "qwen3", qk_norm=True, window_used_by_default=False
+        "qwen3", ("Qwen3ForCausalLM",), "qwen3", "qwen3", qk_norm=True, sliding_layers="max_window_layers"
     ),
     # Phi-3 / Phi-3.5 / Phi-4-mini: Llama's decoder with fused storage, partial rotary (Phi-4-mini 0.75) and
     # LongRoPE (model/layers/rotary.py); transformers uses a configured sliding_window unconditionally
-    Architecture("phi3", ("Phi3ForCausalLM",), "phi3", "phi3", fused_qkv_gate_up=True, partial_rotary=True),
+    Architecture(
+        "phi3",
+        ("Phi3ForCausalLM",),
+        "phi3",
+        "phi3",
+        fused_qkv_gate_up=True,
+        partial_rotary=True,
+        sliding_layers="all",
+    ),
+    Architecture(
+        "gemma2",
+        ("Gemma2ForCausalLM",),
+        "gemma2",
+        "gemma2",
+        sliding_layers="pattern",
+        sliding_window_pattern=2,
+        gemma=True,
+        tie_word_embeddings_default=True,
+    ),
+    # the text model (Gemma 3 1B, or the language half of 4B-27B saved as Gemma3ForCausalLM)
+    Architecture(
+        "gemma3",
+        ("Gemma3ForCausalLM",),
+        "gemma3_text",
+        "gemma3",
+        qk_norm=True,
+        sliding_layers="pattern",
+        sliding_window_pattern=6,
+        gemma=True,
+        local_rope_base=True,
+        tie_word_embeddings_default=True,
+    ),
 )
 
 _BY_NAME = {a.name: a for a in ARCHITECTURES}
@@ -124,15 +167,19 @@ def _on(value: Any) -> bool:
     return value not in (None, 0, False, [], {})
 
 
+# config.json keys that turn on a feature a Gemma family implements and others do not
+_HF_GEMMA_ONLY = {
+    "attn_logit_softcapping": "attention logit soft-capping",
+    "final_logit_softcapping": "final logit soft-capping",
+    "query_pre_attn_scalar": "a non-default attention scale",
+}
 # config.json keys that turn on a feature no family here implements -> what it is
 _HF_UNIMPLEMENTED = {
+    "use_bidirectional_attention": "bidirectional attention (an embedding model)",
     "num_experts": "a mixture-of-experts block",
     "num_local_experts": "a mixture-of-experts block",
     "n_routed_experts": "a mixture-of-experts block",
     "moe_intermediate_size": "a mixture-of-experts block",
-    "attn_logit_softcapping": "attention logit soft-capping",
-    "final_logit_softcapping": "final logit soft-capping",
-    "query_pre_attn_scalar": "a non-default attention scale",
     "use_qk_norm": "a q/k norm",
     "qk_layernorm": "a q/k norm",
     "mlp_bias": "MLP biases",
@@ -142,14 +189,19 @@ _HF_UNIMPLEMENTED = {
 def check_hf_features(entry: Architecture, cfg: dict[str, Any], where: str) -> None:
     """Refuse a config.json that asks for something `entry` does not implement: one line naming the key."""
     arch = entry.hf_architectures[0]
-    for key, what in _HF_UNIMPLEMENTED.items():
+    unimplemented = _HF_UNIMPLEMENTED if entry.gemma else {**_HF_UNIMPLEMENTED, **_HF_GEMMA_ONLY}
+    for key, what in unimplemented.items():
         if _on(cfg.get(key)) and not (what == "a q/k norm" and entry.qk_norm):
             raise InputError(
                 f"{where}: {key}={cfg[key]!r} ({what}) is not supported for {arch}", param="model"
             )
-    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise InputError(f"{where}: unsupported hidden_act {act!r} (only silu)", param="model")
+    act = hidden_act(cfg)
+    allowed = ("gelu_pytorch_tanh",) if entry.gemma else ("silu",)
+    if act not in allowed:
+        raise InputError(
+            f"{where}: unsupported hidden_act {act!r} for {arch} (supported: {', '.join(allowed)})",
+            param="model",
+        )
     prf = partial_rotary_factor(cfg)
     if prf != 1.0 and not entry.partial_rotary:
         raise InputError(
@@ -167,23 +219,48 @@ def partial_rotary_factor(cfg: dict[str, Any]) -> float:
     return 1.0 if prf is None else float(prf)
 
 
-def hf_context_length(entry: Architecture, cfg: dict[str, Any], max_pos: int, where: str) -> int:
-    """max_position_embeddings after the family's sliding-window policy: where a window shorter than the
-    context is in use, "cap" caps the context at it (exact, as no window slides), else it is refused."""
+def hidden_act(cfg: dict[str, Any]) -> str:
+    """The MLP's activation: Gemma configs name it hidden_activation (their hidden_act may be stale)."""
+    return cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def pattern_layer_types(num_layers: int, pattern: int) -> list[str]:
+    """Every pattern-th layer global, the others windowed (transformers' Gemma rule)."""
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+
+
+def sliding_window_layers(
+    entry: Architecture, cfg: dict[str, Any], num_layers: int, max_pos: int, where: str
+) -> tuple[int | None, list[str] | None]:
+    """(sliding_window, layer_types) of a config.json by the family's rule (module docstring); (None, None)
+    where no layer is windowed or the window never slides (as wide as the context: plain attention)."""
     window = cfg.get("sliding_window")
-    used = cfg.get("use_sliding_window", entry.window_used_by_default)
-    layer_types = cfg.get("layer_types") or []
-    if "sliding_attention" in layer_types and window:
-        used = True
-    if not (window and used and int(window) < max_pos):
-        return max_pos
-    if entry.sliding_window == "cap":
-        return int(window)
-    raise InputError(
-        f"{where}: sliding_window={window} (sliding-window attention) is not supported for "
-        f"{entry.hf_architectures[0]}",
-        param="model",
-    )
+    if entry.sliding_layers == "none" or not window:
+        return None, None
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise InputError(f"{where}: sliding_window must be a positive integer; got {window!r}", param="model")
+    types = cfg.get("layer_types")
+    if entry.sliding_layers == "all":
+        types = None  # transformers windows every layer of these families, whatever layer_types says
+    if types is not None:
+        if not isinstance(types, list) or len(types) != num_layers or not set(types) <= set(LAYER_TYPES):
+            raise InputError(
+                f"{where}: layer_types must list {num_layers} of {', '.join(LAYER_TYPES)}", param="model"
+            )
+    elif entry.sliding_layers == "all":
+        types = ["sliding_attention"] * num_layers
+    elif entry.sliding_layers == "max_window_layers":
+        first = cfg.get("max_window_layers", 28) if cfg.get("use_sliding_window") else num_layers
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    else:
+        pattern = int(cfg.get("sliding_window_pattern") or entry.sliding_window_pattern)
+        types = pattern_layer_types(num_layers, pattern)
+    if "sliding_attention" not in types or window >= max_pos:
+        return None, None
+    return window, list(types)
 
 
 # GGUF metadata keys (after "<arch>.") that turn on a feature nothing here implements
@@ -197,6 +274,8 @@ _GGUF_UNIMPLEMENTED = {
 def check_gguf_features(entry: Architecture, meta: dict[str, Any], where: str) -> None:
     arch = entry.gguf_architecture
     for key, what in _GGUF_UNIMPLEMENTED.items():
+        if entry.gemma and "softcapping" in key:
+            continue
         value = meta.get(f"{arch}.{key}")
         if value is not None and _on(value):
             raise InputError(
@@ -226,3 +305,16 @@ GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+
+# Gemma's sandwich norms: llama.cpp's ffn_norm is the norm before the MLP, which Gemma calls
+# pre_feedforward_layernorm (post_attention_layernorm norms the attention's output there)
+GGUF_GEMMA_LAYER_NAMES = {
+    **GGUF_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+def gguf_layer_names(entry: Architecture) -> dict[str, str]:
+    return GGUF_GEMMA_LAYER_NAMES if entry.gemma else GGUF_LAYER_NAMES

@@ -25,7 +25,7 @@ _WANTED = re.compile(
     r"model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight|"
     r"model\.layers\.\d+\.(self_attn\.([qkvo]|qkv)_proj\.(weight|bias)|self_attn\.[qk]_norm\.weight|"
     r"mlp\.(gate|up|down|gate_up)_proj\.weight|"
-    r"(input|post_attention)_layernorm\.weight)"
+    r"(input|post_attention|pre_feedforward|post_feedforward)_layernorm\.weight)"
 )
 
 
