@@ -153,11 +153,16 @@ CLUSTER_START_TIMEOUT_S = 180
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # Ray keeps 127.0.0.1 as it is
 
 # Two nodes, one CPU and one custom resource each; prints the head's address, then waits for stdin to close.
+# Cluster writes the head's address to $RAY_TMPDIR/ray/ray_current_cluster (/tmp/ray/... by default) without
+# creating the folder: on a fresh machine there is none. RAY_TMPDIR points it into the test's own folder, so the
+# test also leaves alone the file a user's `ray.init()` reads.
 CLUSTER_SCRIPT = """
+import os
 import sys
 from ray.cluster_utils import Cluster
 
 temp_dir = sys.argv[1]
+os.makedirs(os.path.join(os.environ["RAY_TMPDIR"], "ray"), exist_ok=True)
 store = 100 * 1024 * 1024
 cluster = Cluster(initialize_head=True, head_node_args=dict(
     num_cpus=1, resources={"node_a": 1}, object_store_memory=store, include_dashboard=False, temp_dir=temp_dir))
@@ -189,7 +194,7 @@ def _descendants(root: int) -> list[int]:
 
 @contextlib.contextmanager
 def ray_cluster(temp_dir: str) -> Iterator[str]:
-    env = {**os.environ, **LOOPBACK_ENV, "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, **LOOPBACK_ENV, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": temp_dir}
     proc = subprocess.Popen(
         [sys.executable, "-c", CLUSTER_SCRIPT, temp_dir],
         stdin=subprocess.PIPE,
