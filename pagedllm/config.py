@@ -39,6 +39,17 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # scores = cap * tanh(scores / cap), before the softmax
     final_logit_softcapping: float | None = None  # logits likewise
     query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this) instead of 1/sqrt(head_dim)
+    # mixture of experts (Mixtral, Qwen3-MoE, OLMoE; model/layers/moe.py): with num_experts > 0 every layer
+    # but dense_layers has, instead of one MLP, num_experts MLPs of moe_intermediate_size each and a router
+    # that sends each token to the num_experts_per_tok of them it scores highest (softmax over all experts,
+    # the top k kept, renormalised to sum to 1 where norm_topk_prob). dense_layers' MLP is intermediate_size
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: list[int] = field(default_factory=list)  # Qwen3-MoE's mlp_only_layers / decoder_sparse_step
+    qk_norm_full: bool = False  # OLMoE: q_norm / k_norm over the whole q / k projection, not each head
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to [-clip_qkv, clip_qkv] (after the q/k norms)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     architecture: str = "llama"
@@ -46,6 +57,9 @@ class ModelConfig:
     @property
     def kv_width(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return self.num_experts > 0 and layer_idx not in self.dense_layers
 
     def is_sliding(self, layer_idx: int) -> bool:
         return self.sliding_window is not None and bool(self.layer_types) and (

@@ -15,7 +15,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from model_helpers import paged_prefill_logits
 from test_model_families import _folder, _gguf_name, _write_tensors_and_close, our_model
-from test_model_vs_hf import check_logits, greedy_hf, hf_model, prompt_ids
+from test_model_vs_hf import check_logits, check_tensor_parallel_2_equals_1, greedy_hf, hf_model, prompt_ids
 from tiny_models import save_tiny_gemma2, save_tiny_gemma3
 
 from pagedllm import LLM, SamplingParams
@@ -207,12 +207,4 @@ def test_awq_folds_its_scales_into_gemma_norms_exactly(gemma_pair):
 @pytest.mark.slow
 def test_gemma_tensor_parallel_2_equals_1(gemma_pair):
     path, ours, _ = gemma_pair
-    ids = [prompt_ids(n, ours.config.vocab_size, 20 + n) for n in (5, 40)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    outs = []
-    for tp in (1, 2):
-        llm = LLM(model=str(path), dtype="fp32", tensor_parallel_size=tp, max_num_batched_tokens=32,
-                  show_progress=False)  # fmt: skip
-        outs.append([o.outputs[0].token_ids for o in llm.generate(ids, params, use_tqdm=False)])
-        llm.llm_engine.shutdown()
-    assert outs[0] == outs[1]
+    check_tensor_parallel_2_equals_1(path, ours.config.vocab_size)

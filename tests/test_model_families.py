@@ -15,7 +15,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 from model_helpers import paged_prefill_logits
-from test_model_vs_hf import check_logits, greedy_hf, hf_model, prompt_ids
+from test_model_vs_hf import check_logits, check_tensor_parallel_2_equals_1, greedy_hf, hf_model, prompt_ids
 from tiny_models import save_tiny_llama, save_tiny_phi3, save_tiny_qwen3
 
 from pagedllm import LLM, SamplingParams
@@ -48,7 +48,10 @@ def test_registry_entries_are_consistent():
         assert registry.get(a.name) is a
         assert registry.from_hf(a.hf_architectures[0], "x") is a
         if a.gguf_architecture:
-            assert registry.from_gguf(a.gguf_architecture, "x") is a
+            # Mixtral's files are arch llama with llama.expert_count: the metadata tells them apart
+            meta = {f"{a.gguf_architecture}.expert_count": 8 if a.moe else 0}
+            assert registry.from_gguf(a.gguf_architecture, "x", meta) is a
+    assert registry.from_gguf("llama", "x") is registry.get("llama")
     assert registry.get("qwen3").features == ("q/k norm", "sliding window")
     assert registry.get("qwen2").features == ("q/k/v bias", "sliding window")
     assert registry.get("llama").features == ()
@@ -131,10 +134,12 @@ def write_qwen3_gguf(hf_path, out, linear_type=T.F32, extra_meta=None):
 
 
 def _write_tensors_and_close(w, weights: dict, gguf_name, linear_type) -> None:
-    """Every HF-named tensor under its llama.cpp name (2-D linears in `linear_type`), then the file."""
+    """Every HF-named tensor under its llama.cpp name (linears, and stacked [experts, out, in] ones, in
+    `linear_type`; a MoE router stays F32, as llama.cpp keeps it), then the file."""
     for name, t in weights.items():
         array = t.float().numpy()
-        if array.ndim == 2 and "embed" not in name and linear_type != T.F32:
+        router = name.endswith(".mlp.gate.weight")
+        if array.ndim in (2, 3) and "embed" not in name and not router and linear_type != T.F32:
             w.add_tensor(gguf_name(name), quantize(array, linear_type), raw_dtype=linear_type)
         else:
             w.add_tensor(gguf_name(name), array)
@@ -202,7 +207,7 @@ def _folder(tmp_path, **overrides):
     "overrides, message",
     [
         (dict(architectures=["Gemma3nForCausalLM"]), "unsupported architecture 'Gemma3nForCausalLM'"),
-        (dict(architectures=["Qwen3MoeForCausalLM"]), "unsupported architecture 'Qwen3MoeForCausalLM'"),
+        (dict(architectures=["DeepseekV3ForCausalLM"]), "unsupported architecture 'DeepseekV3ForCausalLM'"),
         (dict(architectures=None, model_type="phimoe"), "unsupported architecture 'phimoe'"),
         (dict(num_experts=8), "num_experts=8 .* not supported for Qwen3ForCausalLM"),
         (
@@ -273,20 +278,7 @@ def test_qwen3_int8_at_load_and_its_folder_round_trip(qwen3_path, tmp_path):
 
 @pytest.mark.slow
 def test_qwen3_tensor_parallel_2_equals_1(qwen3_path):
-    ids = [prompt_ids(n, 49152, 20 + n) for n in (5, 40)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    outs = []
-    for tp in (1, 2):
-        llm = LLM(
-            model=str(qwen3_path),
-            dtype="fp32",
-            tensor_parallel_size=tp,
-            max_num_batched_tokens=32,
-            show_progress=False,
-        )
-        outs.append([o.outputs[0].token_ids for o in llm.generate(ids, params, use_tqdm=False)])
-        llm.llm_engine.shutdown()
-    assert outs[0] == outs[1]
+    check_tensor_parallel_2_equals_1(qwen3_path, 49152)
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])

@@ -100,6 +100,37 @@ def greedy_hf(ref, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids) :].tolist()
 
 
+def check_prefill_logits(model, ref, lengths=(1, 17, 100), seed: int = 11) -> None:
+    """`model` (ours, e.g. loaded from a GGUF of the same weights) against transformers' `ref`, fp32."""
+    for n in lengths:
+        ids = prompt_ids(n, model.config.vocab_size, seed + n)
+        with torch.no_grad():
+            expected = ref(torch.tensor([ids])).logits[0].float()
+        assert (paged_prefill_logits(model, ids) - expected).abs().max().item() < 1e-3, n
+
+
+def check_greedy_64(path, ref, vocab: int) -> LLM:
+    """64 greedy tokens of LLM(path) in fp32 equal transformers' generate; returns the LLM."""
+    llm = LLM(model=str(path), dtype="fp32", num_kv_blocks=64, show_progress=False)
+    ids = prompt_ids(17, vocab, 5)
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == greedy_hf(ref, ids, 64)
+    return llm
+
+
+def check_tensor_parallel_2_equals_1(path, vocab: int) -> None:
+    """16 greedy tokens of two prompts (5 and 40 tokens, chunked by 32) the same under TP=1 and TP=2."""
+    ids = [prompt_ids(n, vocab, 20 + n) for n in (5, 40)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = []
+    for tp in (1, 2):
+        llm = LLM(model=str(path), dtype="fp32", tensor_parallel_size=tp, max_num_batched_tokens=32,
+                  show_progress=False)  # fmt: skip
+        outs.append([o.outputs[0].token_ids for o in llm.generate(ids, params, use_tqdm=False)])
+        llm.llm_engine.shutdown()
+    assert outs[0] == outs[1]
+
+
 def test_default_model_greedy_64_tokens_match_hf(default_pair):
     path, _, ref = default_pair
     # the GGUF dequantized once, as HF loads it (quantization="auto" would serve its blocks natively)

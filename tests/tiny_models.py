@@ -54,8 +54,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
             elif "embed_tokens" in name:
                 p.copy_(torch.randn(p.shape, generator=g))
-            else:  # Linear [out, in]: unit-variance outputs for unit-variance inputs
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+            else:  # Linear [out, in], experts [E, out, in]: unit-variance outputs for unit-variance inputs
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
 
 
 def _save(model: torch.nn.Module, path: Path, max_shard_size: str | int | None) -> Path:
@@ -200,6 +200,59 @@ def save_tiny_mistral(
 
     return _save_random(
         MistralForCausalLM, MistralConfig, TINY_MISTRAL, path, seed, max_shard_size, config_overrides, False
+    )
+
+
+# Mixtures of experts: 8 experts, top-2, experts 32 wide. Qwen3-MoE: layer 1 dense (mlp_only_layers, its MLP
+# intermediate_size 96), head_dim 24, top-k renormalised; OLMoE: q/k norms over the whole projection,
+# clip_qkv small enough to clip, top-k not renormalised (its released setting); Mixtral always renormalises
+_MOE = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2)
+TINY_MIXTRAL = dict(_MOE, num_hidden_layers=2, num_local_experts=8, intermediate_size=32)
+TINY_QWEN3_MOE = dict(
+    _MOE,
+    num_hidden_layers=3,
+    head_dim=24,
+    num_experts=8,
+    moe_intermediate_size=32,
+    intermediate_size=96,
+    mlp_only_layers=[1],
+    norm_topk_prob=True,
+)
+TINY_OLMOE = dict(
+    _MOE, num_hidden_layers=2, num_experts=8, intermediate_size=32, clip_qkv=1.5, norm_topk_prob=False
+)
+
+
+def save_tiny_mixtral(
+    path: str | Path, seed: int = 0, max_shard_size: str | int | None = None, **config_overrides: Any
+) -> Path:
+    """A random MixtralForCausalLM (TINY_MIXTRAL: 8 experts, top-2, untied lm_head). transformers writes
+    the Hub's layout: block_sparse_moe.gate and block_sparse_moe.experts.{j}.w1/w2/w3."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return _save_random(
+        MixtralForCausalLM, MixtralConfig, TINY_MIXTRAL, path, seed, max_shard_size, config_overrides, False
+    )
+
+
+def save_tiny_qwen3_moe(
+    path: str | Path, seed: int = 0, max_shard_size: str | int | None = None, **config_overrides: Any
+) -> Path:
+    """A random Qwen3MoeForCausalLM (TINY_QWEN3_MOE: per-head q/k norms, one dense layer, tied)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    classes = (Qwen3MoeForCausalLM, Qwen3MoeConfig)
+    return _save_random(*classes, TINY_QWEN3_MOE, path, seed, max_shard_size, config_overrides, True)
+
+
+def save_tiny_olmoe(
+    path: str | Path, seed: int = 0, max_shard_size: str | int | None = None, **config_overrides: Any
+) -> Path:
+    """A random OlmoeForCausalLM (TINY_OLMOE: whole-projection q/k norms, clip_qkv, untied)."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    return _save_random(
+        OlmoeForCausalLM, OlmoeConfig, TINY_OLMOE, path, seed, max_shard_size, config_overrides, False
     )
 
 

@@ -66,23 +66,26 @@ def fuse_for_inference(model: nn.Module) -> None:
     pack = ops.backend("linear") == "onednn-prepacked"
     merged = 0
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
+        # a MoE layer's experts are each a gated MLP (model/layers/moe.py); its router stays as it is
+        mlps = list(getattr(layer.mlp, "experts", [layer.mlp]))
         if attn.qkv_proj is None:
             qkv = merge_linears([attn.q_proj, attn.k_proj, attn.v_proj])
             if qkv is not None:
                 attn.qkv_proj = qkv
                 del attn.q_proj, attn.k_proj, attn.v_proj
                 merged += 1
-        if mlp.gate_up_proj is None:
-            gate_up = merge_linears([mlp.gate_proj, mlp.up_proj])
-            if gate_up is not None:
-                mlp.gate_up_proj = gate_up
-                del mlp.gate_proj, mlp.up_proj
-                merged += 1
+        for mlp in mlps:
+            if mlp.gate_up_proj is None:
+                gate_up = merge_linears([mlp.gate_proj, mlp.up_proj])
+                if gate_up is not None:
+                    mlp.gate_up_proj = gate_up
+                    del mlp.gate_proj, mlp.up_proj
+                    merged += 1
         if pack:
             for parent, names in (
                 (attn, ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj")),
-                (mlp, ("gate_up_proj", "gate_proj", "up_proj", "down_proj")),
+                *((mlp, ("gate_up_proj", "gate_proj", "up_proj", "down_proj")) for mlp in mlps),
             ):
                 for name in names:
                     child = getattr(parent, name, None)

@@ -1,11 +1,15 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3/Phi-4-mini, Gemma 2/3) over a
-paged KV cache. The families differ in features the config names (model/loader/registry.py): q/k/v and o
-biases, Qwen3's RMSNorm over each head's q and k (q_norm / k_norm, None where the family has none), Phi's
-partial rotary (config.rotary_dim) and LongRoPE (layers/rotary.py), sliding-window attention in the layers
-config.layer_types marks, and Gemma's: GeGLU, (1 + weight) RMSNorms around each sublayer as well as
-before it, embeddings scaled by sqrt(hidden_size), soft-capped attention scores and logits, its own
-attention scale, and (Gemma 3) a second RoPE base for the sliding layers. Phi-3's fused qkv_proj and
-gate_up_proj are split into q/k/v and gate/up at load (model/loader/hf_config.py), so it is this model.
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Phi-3/Phi-4-mini, Gemma 2/3, and the
+mixtures of experts Mixtral, Qwen3-MoE, OLMoE) over a paged KV cache. The families differ in features the
+config names (model/loader/registry.py): q/k/v and o biases, Qwen3's RMSNorm over each head's q and k
+(q_norm / k_norm, None where the family has none), Phi's partial rotary (config.rotary_dim) and LongRoPE
+(layers/rotary.py), sliding-window attention in the layers config.layer_types marks, and Gemma's: GeGLU,
+(1 + weight) RMSNorms around each sublayer as well as before it, embeddings scaled by sqrt(hidden_size),
+soft-capped attention scores and logits, its own attention scale, and (Gemma 3) a second RoPE base for
+the sliding layers. Phi-3's fused qkv_proj and gate_up_proj are split into q/k/v and gate/up at load
+(model/loader/hf_config.py), so it is this model.
+Mixture of experts (Mixtral, Qwen3-MoE, OLMoE): a layer config.is_moe_layer names has a router and
+experts (layers/moe.py) where the others have one MLP, each expert this file's MLP; OLMoE's q/k norms span
+the whole projection (config.qk_norm_full) and it may clip q, k and v (config.clip_qkv).
 
 The model sees one flat batch of new tokens from many sequences; it knows nothing of requests. K/V are
 written to the paged cache at `slot_mapping` and read back through block tables (attention/paged.py).
@@ -27,6 +31,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.distributed.parallel_state import all_gather, all_reduce
 from pagedllm.model import decode_stack
 from pagedllm.model.layers.activation import act, act_and_mul
+from pagedllm.model.layers.moe import SparseMoeBlock
 from pagedllm.model.layers.norm import GemmaRMSNorm, RMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding, rotate
 
@@ -50,10 +55,16 @@ class LlamaAttention(nn.Module):
         # Llama's and Qwen3's attention_bias covers o_proj too; Qwen2 has q/k/v bias only
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=config.o_proj_bias)
         # Qwen3: one RMSNorm over each head's q (and k), weight [head_dim] shared by every head, so
-        # tensor parallelism keeps it whole on every rank
+        # tensor parallelism keeps it whole on every rank. OLMoE (qk_norm_full): one over the whole q (and k)
+        # projection, weight [heads * head_dim]
         norm = norm_class(config)
-        self.q_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = norm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.qk_norm_full = config.qk_norm_full
+        q_width, k_width = (self.head_dim, self.head_dim)
+        if config.qk_norm_full:
+            q_width, k_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_norm = norm(q_width, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = norm(k_width, config.rms_norm_eps) if config.qk_norm else None
+        self.clip_qkv = config.clip_qkv  # OLMoE: q, k, v clamped to [-clip_qkv, clip_qkv]
         self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.softcap = config.attn_logit_softcapping  # Gemma 2
         self.sliding_window = config.sliding_window if config.is_sliding(layer_idx) else None
@@ -66,12 +77,17 @@ class LlamaAttention(nn.Module):
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm_full:  # OLMoE: over every head's q (and k) at once, before they are cut into heads
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # rows of [T * heads, head_dim]: the norm's 2-D kernel takes them
+        if self.q_norm is not None and not self.qk_norm_full:  # rows of [T * heads, head_dim]: the 2-D kernel
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
-        if self.k_norm is not None:
+        if self.k_norm is not None and not self.qk_norm_full:
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
         q, k = rotate(q, k, *rope)
         write_kv(kv_cache, k, v, meta.slot_mapping)
@@ -81,9 +97,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """The gated MLP; also each expert of a MoE block (layers/moe.py), there of moe_intermediate_size and
+    without its own all-reduce (reduce_results=False): the block reduces the experts' sum once."""
+
+    def __init__(
+        self, config: ModelConfig, intermediate_size: int | None = None, reduce_results: bool = True
+    ):
         super().__init__()
-        d, f = config.hidden_size, config.intermediate_size
+        d, f = config.hidden_size, intermediate_size or config.intermediate_size
+        self.reduce_results = reduce_results
         self.gate_proj = nn.Linear(d, f, bias=False)
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
@@ -95,7 +117,8 @@ class LlamaMLP(nn.Module):
             h = act_and_mul(self.gate_up_proj(x), self.hidden_act)
         else:
             h = act(self.gate_proj(x), self.hidden_act) * self.up_proj(x)
-        return all_reduce(self.down_proj(h))  # each rank's slice of the intermediate size adds up
+        out = self.down_proj(h)  # under tensor parallelism each rank's slice of the intermediate size adds up
+        return all_reduce(out) if self.reduce_results else out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -103,7 +126,12 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx  # families differ per layer: sliding-window or global attention, MoE or dense
         self.self_attn = LlamaAttention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
+        # a MoE layer has a router and experts instead (layers/moe.py), each expert this MLP, narrower
+        self.mlp = (
+            SparseMoeBlock(config, lambda: LlamaMLP(config, config.moe_intermediate_size, False))
+            if config.is_moe_layer(layer_idx)
+            else LlamaMLP(config)
+        )
         norm, d, eps = norm_class(config), config.hidden_size, config.rms_norm_eps
         self.input_layernorm = norm(d, eps)
         self.post_attention_layernorm = norm(d, eps)

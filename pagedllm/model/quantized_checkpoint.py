@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from pagedllm.config import ModelConfig
 from pagedllm.errors import InputError
 from pagedllm.model.llama import LlamaForCausalLM, rotary_embeddings
-from pagedllm.model.loader import registry
+from pagedllm.model.loader import moe, registry
 from pagedllm.model.loader.hf_config import read_hf_config
 from pagedllm.model.loader.safetensors import safetensors_files
 from pagedllm.quantization.linear import QuantLinear
@@ -85,6 +85,8 @@ def hf_config_dict(config: ModelConfig) -> dict[str, Any]:
         "sliding_window": config.sliding_window,
         "layer_types": config.layer_types,
         **_gemma_keys(config),
+        **moe.hf_config_keys(config, entry),  # experts, top-k, their width, dense layers
+        **({"clip_qkv": config.clip_qkv} if config.clip_qkv is not None else {}),
     }
 
 

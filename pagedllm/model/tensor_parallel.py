@@ -3,10 +3,11 @@
 Megatron's split, as vLLM does it: q/k/v and gate/up are column-parallel (each rank keeps the output rows
 of its heads and of its part of the intermediate size), o and down are row-parallel (each keeps the
 matching input columns and the model all-reduces their partial products: llama.py), the embedding and the
-lm_head are split by vocabulary, norms are whole on every rank. Which heads a rank gets is
-distributed/partition.py's rule. Quantized layers (int8/int4 RTN, GPTQ/AWQ folders, GGUF blocks) are cut
-on their group boundaries from their codes, scales and mins, so every rank computes exactly the products
-the whole layer would, only over fewer rows or columns.
+lm_head are split by vocabulary, norms are whole on every rank. A MoE layer's experts are each cut like
+a dense MLP (their slice of moe_intermediate_size) and its router is whole, so every rank routes alike.
+Which heads a rank gets is distributed/partition.py's rule. Quantized layers (int8/int4 RTN, GPTQ/AWQ
+folders, GGUF blocks) are cut on their group boundaries from their codes, scales and mins, so every rank
+computes exactly the products the whole layer would, only over fewer rows or columns.
 """
 
 from __future__ import annotations
@@ -85,6 +86,17 @@ def _cut(
     return out
 
 
+def check_shardable(config: ModelConfig, tp_size: int) -> None:
+    """Refuse a model feature the split does not implement (the engine asks before starting workers)."""
+    if tp_size > 1 and config.qk_norm_full:
+        # the norm's mean runs over every head's q, which no rank holds whole: it would need a collective
+        raise InputError(
+            f"tensor_parallel_size {tp_size}: {config.architecture}'s q/k norm over the whole projection "
+            "(OLMoE) is not implemented under tensor parallelism; use tensor_parallel_size 1",
+            param="tensor_parallel_size",
+        )
+
+
 def _group_of(layer: nn.Module) -> int:
     return getattr(layer, "group_size", None) or 1
 
@@ -92,13 +104,14 @@ def _group_of(layer: nn.Module) -> int:
 def shard_model(model: nn.Module, config: ModelConfig, rank: int, tp_size: int) -> ModelConfig:
     """Keep rank `rank`'s share of `model` (in place); returns its local config (the heads it holds),
     which sizes its KV cache."""
+    check_shardable(config, tp_size)
     shard = head_shards(config.num_heads, config.num_kv_heads, tp_size)[rank]
     hd = config.head_dim
     q_rows = (shard.q_start * hd, shard.q_end * hd)
     kv_rows = (shard.kv_start * hd, shard.kv_end * hd)
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.qkv_proj is not None or mlp.gate_up_proj is not None:
+        if attn.qkv_proj is not None or getattr(mlp, "gate_up_proj", None) is not None:
             raise RuntimeError("shard_model runs before fuse_for_inference")
         prefix = f"model.layers.{i}"
         attn.q_proj = _cut(attn.q_proj, q_rows, None, True, f"{prefix}.self_attn.q_proj")
@@ -108,10 +121,11 @@ def shard_model(model: nn.Module, config: ModelConfig, rank: int, tp_size: int) 
         attn.o_proj = _cut(attn.o_proj, None, q_rows, rank == 0, f"{prefix}.self_attn.o_proj")
         attn.num_heads, attn.num_kv_heads = shard.num_heads, shard.num_kv_heads
         attn.qkv_sizes = (shard.num_heads * hd, *(2 * [shard.num_kv_heads * hd]))
-        f = split(config.intermediate_size, tp_size, _group_of(mlp.down_proj))[rank]
-        mlp.gate_proj = _cut(mlp.gate_proj, f, None, True, f"{prefix}.mlp.gate_proj")
-        mlp.up_proj = _cut(mlp.up_proj, f, None, True, f"{prefix}.mlp.up_proj")
-        mlp.down_proj = _cut(mlp.down_proj, None, f, rank == 0, f"{prefix}.mlp.down_proj")
+        if hasattr(mlp, "experts"):  # MoE: the router stays whole
+            for j, expert in enumerate(mlp.experts):
+                _shard_mlp(expert, config.moe_intermediate_size, rank, tp_size, f"{prefix}.mlp.experts.{j}")
+        else:
+            _shard_mlp(mlp, config.intermediate_size, rank, tp_size, f"{prefix}.mlp")
 
     # the vocabulary in equal parts (the last one padded with zero rows): the gathered logits are then
     # every rank's in order, cut back to vocab_size (compute_logits)
@@ -133,6 +147,14 @@ def shard_model(model: nn.Module, config: ModelConfig, rank: int, tp_size: int) 
         model.lm_head = head
     model.tp_vocab_size = vocab  # compute_logits cuts the gathered logits back to it
     return dataclasses.replace(config, num_heads=shard.num_heads, num_kv_heads=shard.num_kv_heads)
+
+
+def _shard_mlp(mlp: nn.Module, width: int, rank: int, tp_size: int, prefix: str) -> None:
+    """gate/up column-parallel and down row-parallel over the rank's slice of `width`."""
+    f = split(width, tp_size, _group_of(mlp.down_proj))[rank]
+    mlp.gate_proj = _cut(mlp.gate_proj, f, None, True, f"{prefix}.gate_proj")
+    mlp.up_proj = _cut(mlp.up_proj, f, None, True, f"{prefix}.up_proj")
+    mlp.down_proj = _cut(mlp.down_proj, None, f, rank == 0, f"{prefix}.down_proj")
 
 
 def _pad_rows(layer: nn.Module, rows: int) -> nn.Module:

@@ -111,7 +111,8 @@ def param_count(config: ModelConfig) -> int:
     """Parameters of a Llama-family decoder (what the weights file holds).
 
     embeddings + per layer (q/k/v/o with grouped-query K/V, gate/up/down MLP, two RMSNorms)
-    + final norm + lm_head (absent when tied to the embeddings).
+    + final norm + lm_head (absent when tied to the embeddings). A mixture of experts counts every
+    expert (all are resident, though each token runs only num_experts_per_tok of them) and the router.
     """
     d = config.hidden_size
     q_width = config.num_heads * config.head_dim
@@ -119,12 +120,22 @@ def param_count(config: ModelConfig) -> int:
     attn = d * q_width + 2 * d * kv + q_width * d
     if config.attention_bias:  # Qwen2: q/k/v have a bias, o does not
         attn += q_width + 2 * kv
-    mlp = 3 * d * config.intermediate_size
+    widths = (config.intermediate_size, config.moe_intermediate_size)
+    mlps = sum(_mlp_params(config, i, *widths) for i in range(config.num_layers))
     norms = 2 * d
-    per_layer = attn + mlp + norms
+    per_layer = attn + norms
     embed = config.vocab_size * d
     lm_head = 0 if config.tie_word_embeddings else config.vocab_size * d
-    return embed + config.num_layers * per_layer + d + lm_head
+    return embed + config.num_layers * per_layer + mlps + d + lm_head
+
+
+def _mlp_params(config: ModelConfig, layer: int, width: int, expert_width: int) -> int:
+    """Layer `layer`'s MLP: gate/up/down of `width`, or a MoE layer's experts of `expert_width` each and
+    its router (whole on every tensor-parallel rank)."""
+    d = config.hidden_size
+    if config.is_moe_layer(layer):
+        return config.num_experts * (3 * d * expert_width + d)
+    return 3 * d * width
 
 
 @dataclass
@@ -197,17 +208,18 @@ def param_count_per_rank(config: ModelConfig, tp_size: int) -> list[int]:
     rank. KV heads replicated over ranks count on each of them, so the sum can exceed param_count."""
     d, hdim = config.hidden_size, config.head_dim
     mlp_parts = split(config.intermediate_size, tp_size)
+    expert_parts = split(config.moe_intermediate_size, tp_size) if config.num_experts else [(0, 0)] * tp_size
     vocab_parts = split(config.vocab_size, tp_size)
     vocab_copies = 1 if config.tie_word_embeddings else 2  # embedding, and lm_head unless tied
     norms = config.num_layers * 2 * d + d  # two RMSNorms a layer and the final one, replicated
     counts = []
-    for shard, (m0, m1), (v0, v1) in zip(
-        head_shards(config.num_heads, config.num_kv_heads, tp_size), mlp_parts, vocab_parts
+    for shard, (m0, m1), (e0, e1), (v0, v1) in zip(
+        head_shards(config.num_heads, config.num_kv_heads, tp_size), mlp_parts, expert_parts, vocab_parts
     ):
         q, kv = shard.num_heads * hdim, shard.num_kv_heads * hdim
         attn = d * q + 2 * d * kv + q * d
         if config.attention_bias:
             attn += q + 2 * kv
-        mlp = 3 * d * (m1 - m0)
-        counts.append(config.num_layers * (attn + mlp) + norms + vocab_copies * (v1 - v0) * d)
+        mlps = sum(_mlp_params(config, i, m1 - m0, e1 - e0) for i in range(config.num_layers))
+        counts.append(config.num_layers * attn + mlps + norms + vocab_copies * (v1 - v0) * d)
     return counts

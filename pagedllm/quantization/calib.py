@@ -177,6 +177,7 @@ def quantize_layers(
     """
     if not calib:
         raise InputError("calibration needs at least one sample", param="calib")
+    check_dense(model, desc.split()[0])
     xs = layer0_inputs(model, calib)
     rotary = float_rotary(model)
     out: dict[str, QuantizedTensor] = {}
@@ -193,6 +194,19 @@ def quantize_layers(
             xs = [run_layer(work, x, rotary) for x in xs]
         out.update({f"model.layers.{i}.{name}": qt for name, qt in qts.items()})
     return out
+
+
+def check_dense(model: nn.Module, method: str) -> None:
+    """Refuse a mixture-of-experts model: the layer functions here quantize a dense MLP's linears, and an
+    expert's statistics would come from the few calibration tokens routed to it (none for some), so
+    experts are never calibrated (nor silently skipped); round-to-nearest quantizes them."""
+    if getattr(model.config, "num_experts", 0):
+        raise InputError(
+            f"{method} calibration of a mixture-of-experts model ({model.config.architecture}: "
+            f"{model.config.num_experts} experts a layer) is not implemented; use --method rtn "
+            "(or quantization='int8' / 'int4' at load)",
+            param="method",
+        )
 
 
 def check_group_size(model: nn.Module, group_size: int | None) -> None:

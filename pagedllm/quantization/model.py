@@ -12,8 +12,10 @@ per-layer state (calibration statistics) can look it up. RTN (rtn.rtn_method) is
     quantize_model(model, bits=4, group_size=128, quantize_weight=my_fn)  # any method
     replace_linears(model, {name: qt, ...})                               # AWQ/GPTQ results, computed elsewhere
 
-Only the decoder layers' linears are replaced by default; embed_tokens and lm_head (tied to the embedding
-in small models) stay in float. Which rows run on which kernel: linear.py.
+Only the decoder layers' linears are replaced by default (a MoE layer's experts included: each is a few
+nn.Linear); embed_tokens, lm_head (tied to the embedding in small models) and a MoE router (`mlp.gate`,
+[experts, hidden]: tiny, and its scores pick the experts, so llama.cpp and vLLM keep it in float too) stay
+in float. Which rows run on which kernel: linear.py.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pagedllm.quantization.rtn import rtn_method
 from pagedllm.quantization.uniform import QuantizedTensor
 
 WeightQuantizer = Callable[[str, torch.Tensor, int, "int | None"], QuantizedTensor]
-DEFAULT_SKIP = ("lm_head", "embed_tokens")
+DEFAULT_SKIP = ("lm_head", "embed_tokens", "gate")  # "gate": a MoE router (not gate_proj: names match whole)
 
 
 def linear_layer_names(model: nn.Module, skip: Iterable[str] = DEFAULT_SKIP) -> list[str]:

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from pagedllm.config import ModelConfig
 from pagedllm.errors import InputError
 from pagedllm.gguf_layout import unpermute_qk
-from pagedllm.model.loader import registry
+from pagedllm.model.loader import moe, registry
 from pagedllm.model.loader.hf_config import check_complete, split_fused
 
 GGUF_MAGIC = b"GGUF"
@@ -166,7 +166,7 @@ def _get(meta: dict[str, Any], key: str, path: Path) -> Any:
 
 
 def gguf_model_config(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path: Path) -> ModelConfig:
-    entry = registry.from_gguf(meta.get("general.architecture"), str(path))
+    entry = registry.from_gguf(meta.get("general.architecture"), str(path), meta)  # Mixtral: llama + experts
     registry.check_gguf_features(entry, meta, str(path))
     arch = entry.gguf_architecture
     d_model = int(_get(meta, f"{arch}.embedding_length", path))
@@ -239,6 +239,8 @@ def gguf_model_config(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path:
         attention_bias=entry.qkv_bias or "blk.0.attn_q.bias" in shapes,
         o_proj_bias="blk.0.attn_output.bias" in shapes,
         qk_norm=entry.qk_norm,
+        qk_norm_full=entry.qk_norm_full,
+        **moe.gguf_moe_fields(entry, meta, set(shapes), n_layers, path),
         rotary_dim=rotary_dim,
         sliding_window=window,
         layer_types=layer_types,
@@ -400,6 +402,8 @@ def load_gguf(
             quantized[name] = (info.type.name, raw, info.shape)
     if quantized is not None:  # ggml blocks run along rows: a fused tensor splits by rows as the floats do
         _split_fused_raw(quantized, config)
+        moe.split_experts_raw(quantized, config, path)
+    moe.split_experts(weights, config, path)  # ffn_{gate,up,down}_exps: [experts, out, in]
     split_fused(weights, config, path)  # Phi-3's attn_qkv and ffn_up
     check_complete(weights, config, path)
     return config, weights, quantized

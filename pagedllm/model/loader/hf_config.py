@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.config import ModelConfig
 from pagedllm.errors import InputError
-from pagedllm.model.loader import registry
+from pagedllm.model.loader import moe, registry
 
 
 def _field(cfg: dict[str, Any], key: str, file: Path) -> Any:
@@ -129,6 +129,9 @@ def read_hf_config(folder: str | Path) -> ModelConfig:
         attention_bias=entry.qkv_bias or attention_bias,
         o_proj_bias=attention_bias and entry.o_bias_with_attention_bias,
         qk_norm=entry.qk_norm,
+        qk_norm_full=entry.qk_norm_full,
+        clip_qkv=_float_or_none(cfg.get("clip_qkv")) if entry.clip_qkv else None,
+        **moe.hf_moe_fields(entry, cfg, num_layers, file),
         rotary_dim=rotary_dim,
         sliding_window=window,
         layer_types=layer_types,
@@ -156,7 +159,7 @@ def expected_weight_names(config: ModelConfig) -> list[str]:
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
-        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        names += moe.mlp_weight_names(config, i)  # a dense MLP, or a router and experts
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
         if config.attention_bias:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
@@ -203,7 +206,7 @@ def check_complete(weights: dict[str, torch.Tensor], config: ModelConfig, path: 
         "model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
         "model.layers.0.self_attn.q_proj.weight": (config.num_heads * config.head_dim, config.hidden_size),
         "model.layers.0.self_attn.k_proj.weight": (config.kv_width, config.hidden_size),
-        "model.layers.0.mlp.gate_proj.weight": (config.intermediate_size, config.hidden_size),
+        **moe.mlp_shapes(config),
     }
     for name, shape in shapes.items():
         if tuple(weights[name].shape) != shape:

@@ -9,8 +9,9 @@ It lives with the loaders because they are its lowest users (tests/test_layering
 quantization/ may import from the loader package, not the other way round); plain data, no torch.
 
 A checkpoint whose architecture has no entry, or whose config turns on a feature nothing here implements
-(a MoE block, logit soft-capping, partial rotary, a q/k norm on a family without one), is refused with
-one InputError line naming the architecture or the key: it is never run as Llama and silently diverges.
+(a MoE block, logit soft-capping, partial rotary, a q/k norm on a family without one; shared experts or
+grouped routing on any), is refused with one InputError line naming the architecture or the key: it is
+never run as Llama and silently diverges.
 
 Sliding-window attention: which layers a config's `sliding_window` applies to is the family's rule
 (`sliding_layers`, as transformers applies it), unless config.json lists `layer_types` and the family
@@ -52,6 +53,16 @@ class Architecture:
     # rows), GGUF as attn_qkv and ffn_up (Phi-3): split at load into the usual names
     fused_qkv_gate_up: bool = False
     partial_rotary: bool = False  # partial_rotary_factor < 1 allowed (rotary over each head's first dims)
+    # mixture of experts (model/layers/moe.py, model/loader/moe.py): num_experts > 0 allowed. moe_norm_topk:
+    # whether the kept top-k router probabilities are renormalised to sum to 1: "always" (Mixtral), or
+    # "config" (config.json's norm_topk_prob, transformers' default False); gguf_moe_norm_topk is llama.cpp's
+    # rule for the family's GGUF files (unless a file says {arch}.expert_weights_norm)
+    moe: bool = False
+    moe_norm_topk: str = "config"
+    gguf_moe_norm_topk: bool = True
+    moe_dense_layers: bool = False  # Qwen3-MoE: mlp_only_layers / decoder_sparse_step name dense layers
+    qk_norm_full: bool = False  # OLMoE: the q/k norms span the whole projection, not each head
+    clip_qkv: bool = False  # OLMoE: config.json's clip_qkv clamps q, k and v
 
     @property
     def features(self) -> tuple[str, ...]:
@@ -64,6 +75,10 @@ class Architecture:
             "sliding window": self.sliding_layers != "none",
             "Gemma norms, GeGLU and soft-capping": self.gemma,
             "local RoPE base": self.local_rope_base,
+            "mixture of experts": self.moe,
+            "dense layers among the sparse": self.moe_dense_layers,
+            "q/k norm over the whole projection": self.qk_norm_full,
+            "clip_qkv": self.clip_qkv,
         }
         return tuple(k for k, v in named.items() if v)
 
@@ -118,12 +133,51 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         local_rope_base=True,
         tie_word_embeddings_default=True,
     ),
+    # mixtures of experts. llama.cpp writes Mixtral as arch "llama" with llama.expert_count (from_gguf)
+    Architecture(
+        "mixtral",
+        ("MixtralForCausalLM",),
+        "mixtral",
+        "llama",
+        gguf_permuted_qk=True,
+        sliding_layers="all",
+        moe=True,
+        moe_norm_topk="always",
+    ),
+    # Qwen3-MoE windows every layer only with use_sliding_window, which model/loader/moe.py refuses
+    Architecture(
+        "qwen3_moe",
+        ("Qwen3MoeForCausalLM",),
+        "qwen3_moe",
+        "qwen3moe",
+        qk_norm=True,
+        moe=True,
+        moe_dense_layers=True,
+    ),
+    Architecture(
+        "olmoe",
+        ("OlmoeForCausalLM",),
+        "olmoe",
+        "olmoe",
+        qk_norm=True,
+        qk_norm_full=True,
+        clip_qkv=True,
+        moe=True,
+        gguf_moe_norm_topk=False,
+    ),
 )
 
 _BY_NAME = {a.name: a for a in ARCHITECTURES}
 _BY_HF = {hf: a for a in ARCHITECTURES for hf in a.hf_architectures}
 _BY_MODEL_TYPE = {a.hf_model_type: a for a in ARCHITECTURES}
-_BY_GGUF = {a.gguf_architecture: a for a in ARCHITECTURES if a.gguf_architecture}
+_BY_GGUF: dict[str, Architecture] = {}
+for _a in ARCHITECTURES:
+    if _a.gguf_architecture:
+        _BY_GGUF.setdefault(_a.gguf_architecture, _a)  # the first entry of an arch owns it (llama)
+# a MoE family whose GGUF files share a dense family's arch: told apart by {arch}.expert_count (Mixtral)
+_GGUF_MOE_VARIANTS = {
+    a.gguf_architecture: a for a in ARCHITECTURES if a.moe and _BY_GGUF[a.gguf_architecture] is not a
+}
 
 
 def get(name: str) -> Architecture:
@@ -153,12 +207,16 @@ def from_hf(arch: str | None, where: str) -> Architecture:
     return _BY_HF[arch]
 
 
-def from_gguf(arch: str | None, where: str) -> Architecture:
+def from_gguf(arch: str | None, where: str, meta: dict[str, Any] | None = None) -> Architecture:
+    """The entry of a GGUF file's general.architecture; with its metadata, an arch llama.cpp shares between
+    a dense family and a MoE one (llama: Llama and Mixtral) goes by {arch}.expert_count."""
     if arch not in _BY_GGUF:
         raise InputError(
             f"GGUF file {where}: unsupported architecture {arch!r} (supported: {', '.join(_BY_GGUF)})",
             param="model",
         )
+    if meta is not None and arch in _GGUF_MOE_VARIANTS and _on(meta.get(f"{arch}.expert_count")):
+        return _GGUF_MOE_VARIANTS[arch]
     return _BY_GGUF[arch]
 
 
@@ -173,16 +231,37 @@ _HF_GEMMA_ONLY = {
     "final_logit_softcapping": "final logit soft-capping",
     "query_pre_attn_scalar": "a non-default attention scale",
 }
-# config.json keys that turn on a feature no family here implements -> what it is
-_HF_UNIMPLEMENTED = {
-    "use_bidirectional_attention": "bidirectional attention (an embedding model)",
+# config.json keys of a mixture-of-experts block: refused unless the family implements MoE (entry.moe)
+_HF_MOE = {
     "num_experts": "a mixture-of-experts block",
     "num_local_experts": "a mixture-of-experts block",
-    "n_routed_experts": "a mixture-of-experts block",
     "moe_intermediate_size": "a mixture-of-experts block",
+}
+# config.json keys that turn on a feature no family here implements -> what it is (MoE ones included:
+# they are refused for the MoE families too)
+_HF_UNIMPLEMENTED = {
+    "use_bidirectional_attention": "bidirectional attention (an embedding model)",
+    "n_routed_experts": "a DeepSeek-style mixture-of-experts block",
+    "shared_expert_intermediate_size": "a shared expert",
+    "n_shared_experts": "shared experts",
+    "num_shared_experts": "shared experts",
+    "n_group": "grouped top-k routing",
+    "topk_group": "grouped top-k routing",
+    "topk_method": "another top-k routing method (e.g. a router bias)",
+    "scoring_func": "another router scoring function",
+    "routed_scaling_factor": "scaled routing weights",
+    "first_k_dense_replace": "leading dense layers (DeepSeek's)",
+    "moe_layer_freq": "a MoE layer frequency",
     "use_qk_norm": "a q/k norm",
     "qk_layernorm": "a q/k norm",
     "mlp_bias": "MLP biases",
+}
+# values of those keys that ask for what every MoE family here does (the plain softmax top-k router)
+_HF_DEFAULT_VALUES = {"scoring_func": ("softmax",), "topk_method": ("greedy",), "routed_scaling_factor": (1,)}
+# keys only some families implement: the Architecture flag that allows each
+_HF_FAMILY_ONLY = {
+    "clip_qkv": ("clip_qkv", "clipped q/k/v"),
+    "mlp_only_layers": ("moe_dense_layers", "dense layers in a mixture of experts"),
 }
 
 
@@ -190,7 +269,15 @@ def check_hf_features(entry: Architecture, cfg: dict[str, Any], where: str) -> N
     """Refuse a config.json that asks for something `entry` does not implement: one line naming the key."""
     arch = entry.hf_architectures[0]
     unimplemented = _HF_UNIMPLEMENTED if entry.gemma else {**_HF_UNIMPLEMENTED, **_HF_GEMMA_ONLY}
+    if not entry.moe:
+        unimplemented = {**unimplemented, **_HF_MOE}
+    unimplemented = {
+        **unimplemented,
+        **{key: what for key, (flag, what) in _HF_FAMILY_ONLY.items() if not getattr(entry, flag)},
+    }
     for key, what in unimplemented.items():
+        if cfg.get(key) in _HF_DEFAULT_VALUES.get(key, ()):
+            continue
         if _on(cfg.get(key)) and not (what == "a q/k norm" and entry.qk_norm):
             raise InputError(
                 f"{where}: {key}={cfg[key]!r} ({what}) is not supported for {arch}", param="model"
@@ -266,6 +353,11 @@ def sliding_window_layers(
 # GGUF metadata keys (after "<arch>.") that turn on a feature nothing here implements
 _GGUF_UNIMPLEMENTED = {
     "expert_count": "a mixture-of-experts block",
+    "expert_shared_count": "shared experts",
+    "expert_shared_feed_forward_length": "a shared expert",
+    "expert_group_count": "grouped top-k routing",
+    "expert_group_used_count": "grouped top-k routing",
+    "leading_dense_block_count": "leading dense layers (DeepSeek's)",
     "attn_logit_softcapping": "attention logit soft-capping",
     "final_logit_softcapping": "final logit soft-capping",
 }
@@ -274,7 +366,7 @@ _GGUF_UNIMPLEMENTED = {
 def check_gguf_features(entry: Architecture, meta: dict[str, Any], where: str) -> None:
     arch = entry.gguf_architecture
     for key, what in _GGUF_UNIMPLEMENTED.items():
-        if entry.gemma and "softcapping" in key:
+        if (entry.gemma and "softcapping" in key) or (entry.moe and key == "expert_count"):
             continue
         value = meta.get(f"{arch}.{key}")
         if value is not None and _on(value):
@@ -302,6 +394,11 @@ GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # MoE: the router, and the experts' gate/up/down stacked [experts, out, in] (split by loader/moe.py)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from pagedllm.config import ModelConfig
 from pagedllm.errors import InputError
+from pagedllm.model.loader import moe
 from pagedllm.model.loader.hf_config import check_complete, read_hf_config, split_fused
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -25,6 +26,7 @@ _WANTED = re.compile(
     r"model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight|"
     r"model\.layers\.\d+\.(self_attn\.([qkvo]|qkv)_proj\.(weight|bias)|self_attn\.[qk]_norm\.weight|"
     r"mlp\.(gate|up|down|gate_up)_proj\.weight|"
+    r"mlp\.gate\.weight|mlp\.experts\.(\d+\.)?(gate|up|down|gate_up)_proj\.weight|"  # MoE (loader/moe.py)
     r"(input|post_attention|pre_feedforward|post_feedforward)_layernorm\.weight)"
 )
 
@@ -66,9 +68,10 @@ def load_safetensors(
     for file in files:
         try:
             with safe_open(file, framework="pt") as f:
-                for name in f.keys():
+                for stored in f.keys():
+                    name = moe.hf_name(stored)  # Mixtral's and transformers 5's expert names: the model's
                     if _WANTED.fullmatch(name):
-                        weights[name] = f.get_tensor(name).to(torch.float32).contiguous()
+                        weights[name] = f.get_tensor(stored).to(torch.float32).contiguous()
                         bar.update()
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise InputError(f"truncated or corrupt safetensors file {file}: {e}", param="model") from None
@@ -76,6 +79,8 @@ def load_safetensors(
     if config.tie_word_embeddings:
         # Some tied checkpoints also store the (identical) lm_head; the model reads embed_tokens.
         weights.pop("lm_head.weight", None)
+    # 3-D [experts, out, in] expert tensors first: split_fused would take experts.gate_up_proj for Phi-3's
+    moe.split_experts(weights, config, folder)
     split_fused(weights, config, folder)  # Phi-3's qkv_proj and gate_up_proj
     check_complete(weights, config, folder)
     return config, weights
