@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 # torch first and pinned: the CPU wheel lies on local disk; a looser spec pulls a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test test-avx2 lint clean bench
+.PHONY: install chromium demo test test-avx2 lint clean bench
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -19,7 +19,23 @@ $(STAMP): pyproject.toml | $(PY)
 	$(VENV)/bin/pagedllm build-kernels
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) chromium
+
+# The page tests (tests/test_kv_page.py) drive Debian's chromium through Playwright (never Playwright's own
+# browser download). Installed with apt when it is missing and apt can be used (as root, or with sudo that
+# asks no password); a failed install fails the make. Without apt the page tests skip, saying why.
+CHROMIUM ?= /usr/bin/chromium
+chromium:
+	@if [ -x "$(CHROMIUM)" ]; then exit 0; fi; \
+	if ! command -v apt-get >/dev/null; then \
+		echo "no $(CHROMIUM) and no apt-get: the page tests (tests/test_kv_page.py) will be skipped"; exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else \
+		echo "no $(CHROMIUM), and apt-get needs root: sudo apt-get install -y chromium (or the page tests skip)"; \
+		exit 0; fi; \
+	echo "installing chromium (apt) for the page tests"; \
+	export DEBIAN_FRONTEND=noninteractive; \
+	$$SUDO apt-get install -y -q --no-install-recommends chromium || \
+		{ $$SUDO apt-get update -q && $$SUDO apt-get install -y -q --no-install-recommends chromium; }
 
 demo: install
 	$(VENV)/bin/pagedllm generate "Write a haiku about a paged KV cache." --chat --max-tokens 64

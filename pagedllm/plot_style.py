@@ -1,4 +1,5 @@
-"""One look for every PNG pagedllm draws (`bench --plot-dir`, `plan --plot`).
+"""One look for every picture pagedllm draws: the PNGs (`bench --plot-dir`, `plan --plot`) and the live
+/kv page of `pagedllm serve`, which takes the same colors as CSS variables (css_palette).
 
 Every figure gets a title naming what was measured (model, dtype, quantization), where (CPU model and the
 kernel tier from pagedllm/platform.py) and when; count axes get integer ticks; colors and fonts come from
@@ -18,6 +19,16 @@ OURS = "#3b6fb6"  # pagedllm
 OURS_LIGHT = "#6a96d6"
 PEER = "#8c8c8c"  # the tools people use today
 SECOND = "#d9534f"  # a second measure beside the first (latency beside throughput)
+# KV-cache slots and blocks, in `plan --plot` and on the /kv page
+USED = "#4c9a2a"  # slots holding tokens; a block one request holds
+WASTED = SECOND  # slots reserved and unused: a tail block's rest, a max_len reservation
+IDLE = "#e8e8e8"  # a free block; memory nothing uses
+OVERHEAD = "#f0ad4e"  # runtime overhead in the memory bar
+CACHED = "#a9c1e6"  # a free block that still holds a cached prefix (a lighter OURS: prefix caching's)
+COW = "#8e5bb5"  # a block a request got by copy-on-write
+EVICTED = "#333333"  # a block whose cached prefix was just evicted for new contents
+# a /kv cell's data-state -> its color (shared: the blocks prefix caching saves, pagedllm's own color)
+KV_STATE_COLORS = {"free": IDLE, "cached": CACHED, "used": USED, "shared": OURS, "cow": COW, "evicted": EVICTED}
 DPI = 100
 RC = {
     "font.size": 9,
@@ -35,6 +46,15 @@ RC = {
     "figure.constrained_layout.w_pad": 0.08,
 }
 _DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def css_palette() -> str:
+    """These colors as CSS custom properties (`--kv-used`, `--ours`, ...), served to the /kv and chat pages
+    as /static/palette.css, so that the page and the PNGs cannot drift apart."""
+    named = {"ours": OURS, "ours-light": OURS_LIGHT, "peer": PEER, "wasted": WASTED}
+    named |= {f"kv-{state}": color for state, color in KV_STATE_COLORS.items()}
+    body = "".join(f"  --{name}: {color};\n" for name, color in named.items())
+    return f"/* generated from pagedllm/plot_style.py */\n:root {{\n{body}}}\n"
 
 
 def machine() -> str:

@@ -128,7 +128,11 @@ class FakeEngine:
     ):
         self.tokenizer = FakeTokenizer()
         self.max_model_len = max_model_len or 512
-        self.model_config = SimpleNamespace(max_position_embeddings=self.max_model_len, architecture="fake")
+        # vocab_size: every id FakeTokenizer can decode (a character each), so the server refuses larger ones
+        # with a 400 as it does for a real model, instead of the fake failing inside decode
+        self.model_config = SimpleNamespace(
+            max_position_embeddings=self.max_model_len, architecture="fake", vocab_size=0x110000 + _OFFSET
+        )
         self.block_size = block_size
         self.num_blocks = num_kv_blocks or 256
         self.max_num_seqs = max_num_seqs

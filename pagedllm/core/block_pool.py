@@ -10,6 +10,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.core.kv_events import KVEventLog
 
 BlockHash = int
 
@@ -46,6 +50,8 @@ class BlockPool:
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, Block] = {}
         self._num_cached_free = 0  # kept as a counter so stats stay O(1)
+        # Set only while someone watches the pool (the /kv page): evictions are recorded there.
+        self.events: KVEventLog | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -71,6 +77,8 @@ class BlockPool:
         if block.block_hash is None:
             return
         self._num_cached_free -= 1  # only ever called on a block just taken off the free queue
+        if self.events is not None:
+            self.events.evicted(block.block_id, block.block_hash)
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
         block.block_hash = None

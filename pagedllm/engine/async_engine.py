@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.engine.kv_publisher import KVPublisher, KVSubscription
 from pagedllm.errors import InputError
 from pagedllm.sampling_params import SamplingParams
 
@@ -132,6 +133,8 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stats = None
         self._stats_failing = False
+        self._kv = KVPublisher(engine)  # the /kv page's snapshots; inert until a page subscribes
+        self._held = False  # test-only (hold_steps): no step runs while set
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine-loop", daemon=True)
         self.error: BaseException | None = None  # set when the loop thread itself died
         if start:
@@ -211,6 +214,42 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    # ------------------------------------------------------------------ the KV cache, for /kv (any thread)
+
+    @property
+    def publishes_kv_view(self) -> bool:
+        """Whether watch_kv can work: the engine has a KV cache view (a stand-in engine may not)."""
+        return self._kv.supported
+
+    async def watch_kv(self) -> KVSubscription:
+        """Subscribe to KVCacheView snapshots (engine/kv_publisher.py); unwatch_kv when done. Raises
+        KVViewUnavailable when the engine has no view, EngineClosedError when it stopped."""
+        sub = KVSubscription(asyncio.get_running_loop())
+        await self._call("kv_watch", sub)
+        return sub
+
+    def unwatch_kv(self, sub: KVSubscription) -> None:
+        """Leave; the last watcher to leave closes the view, and the engine records nothing again."""
+        self._commands.put(("kv_unwatch", sub))
+
+    async def kv_block(self, block_id: int) -> dict[str, Any]:
+        """One block's state, ref_cnt, hash, holders and token ids (KVCacheView.block_info)."""
+        return await self._call("kv_block", block_id)
+
+    async def hold_steps(self, hold: bool) -> dict[str, Any]:
+        """Test-only: stop (or resume) stepping between two steps, publish a snapshot of that moment and
+        return its seq with the KVCacheManager's own state (KVCacheView.manager_state), so a test can
+        compare the page against the engine at one instant. Requests stay where they are while held."""
+        return await self._call("kv_hold", hold)
+
+    async def _call(self, kind: str, arg: Any) -> Any:
+        """Run a command on the loop thread and await its result."""
+        if not self.is_running:
+            raise EngineClosedError("the engine loop is not running")
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._commands.put((kind, (arg, done)))
+        return await asyncio.wrap_future(done)
+
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop taking requests, let in-flight ones finish for up to `timeout` s, abort the rest, stop."""
         self._accepting = False
@@ -237,15 +276,18 @@ class AsyncEngine:
         self._refresh_stats()
         try:
             while not self._stop.is_set():
-                busy = self.engine.has_unfinished_requests()
+                busy = self.engine.has_unfinished_requests() and not self._held
                 self._apply_commands(block=not busy)
-                if self.engine.has_unfinished_requests():
+                if self.engine.has_unfinished_requests() and not self._held:
                     self._step()
+                if self._kv.active:
+                    self._kv.tick()
         except BaseException as e:  # a bug in this loop itself: fail everyone rather than hang them
             logger.exception("engine loop died")
             self.error = e
             self._fail_all(EngineClosedError(f"engine loop died: {e!r}"))
         finally:
+            self._kv.close_all()
             self._reject_pending()
 
     def _apply_commands(self, block: bool) -> None:
@@ -281,7 +323,32 @@ class AsyncEngine:
         elif kind == "abort_all":
             self._abort(list(self._streams), RequestFailedError("aborted: the server is shutting down"))
             arg.set_result(None)
+        elif kind == "kv_unwatch":
+            self._kv.remove(arg)
+        elif kind.startswith("kv_"):
+            self._apply_kv(kind, *arg)
         # "wake" only interrupts the idle wait
+        if self._kv.active:
+            self._kv.touch()
+
+    def _apply_kv(self, kind: str, arg: Any, done: concurrent.futures.Future[Any]) -> None:
+        """The /kv commands, answered through `done` (an error goes back to the caller)."""
+        try:
+            if kind == "kv_watch":
+                self._kv.add(arg)
+                result = None
+            elif kind == "kv_block":
+                result = self._kv.view().block_info(arg)
+            else:  # kv_hold
+                self._held = bool(arg)
+                seq = self._kv.publish() if self._kv.active else None
+                result = {"seq": seq, "manager": self._kv.view().manager_state()}
+        except Exception as e:
+            done.set_exception(e)
+            return
+        finally:
+            self._kv.release_if_unwatched()  # a view opened only for this call
+        done.set_result(result)
 
     def _check_queue(self, params: SamplingParams) -> None:
         # Here on the loop thread the engine's count is exact: it includes the requests added since the
@@ -371,7 +438,7 @@ class AsyncEngine:
                 kind, arg = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
+            if kind == "add" or (kind.startswith("kv_") and kind != "kv_unwatch"):
                 arg[-1].set_exception(EngineClosedError("the engine is shutting down"))
             elif kind == "abort_all":
                 arg.set_result(None)

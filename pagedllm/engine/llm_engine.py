@@ -21,6 +21,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.distributed.partition import head_shards
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.kv_view import KVCacheView
 from pagedllm.errors import InputError
 from pagedllm.executor.multiproc import MultiprocExecutor, default_threads
 from pagedllm.executor.uniproc import UniProcExecutor
@@ -28,6 +29,7 @@ from pagedllm.executor.worker import WorkerConfig
 from pagedllm.model.build import build_model, resolve_quantization
 from pagedllm.model.fuse import fuse_for_inference
 from pagedllm.model.loader import read_model_config, resolve_model_path
+from pagedllm.model.tensor_parallel import check_shardable
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -160,6 +162,7 @@ class LLMEngine:
             self.model, self.model_config = None, read_model_config(path)
             cfg = self.model_config
             shards = head_shards(cfg.num_heads, cfg.num_kv_heads, tensor_parallel_size)  # refuses early
+            check_shardable(cfg, tensor_parallel_size)  # and what model/tensor_parallel.py cannot split
         else:
             self.model, self.model_config = build_model(path, self.dtype, self.quantization, show_progress)
             fuse_for_inference(self.model)
@@ -180,6 +183,7 @@ class LLMEngine:
             [per_token] if draft is None else [per_token, self._kv_bytes_per_token(draft[1], kv_dtype)]
         )
         block_bytes = planner.block_bytes(block_size, sum(per_tokens))
+        self.kv_block_bytes = block_bytes
         if num_kv_blocks is None:
             memory = parse_size(
                 kv_cache_memory if kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY,
@@ -253,6 +257,7 @@ class LLMEngine:
         self._pending_grammars: dict[str, Request] = {}  # child id -> request whose grammar still compiles
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}
+        self.kv_view: KVCacheView | None = None  # only while someone watches (open_kv_view)
 
     @staticmethod
     def _kv_bytes_per_token(cfg, kv_dtype) -> int:
@@ -377,6 +382,8 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose()
         sched_out = self.scheduler.schedule()
+        if self.kv_view is not None:
+            self.kv_view.on_schedule(sched_out)
         if sched_out.is_empty and self._pending_grammars:
             # nothing to run but grammars being compiled: wait for one instead of spinning
             wait([r.structured_output.future for r in self._pending_grammars.values()], 0.05, FIRST_COMPLETED)
@@ -597,6 +604,20 @@ class LLMEngine:
         self.executor.shutdown()
 
     # ---- what the engine holds --------------------------------------------------------------------
+    def open_kv_view(self) -> KVCacheView:
+        """The read-only view of the KV cache (engine/kv_view.py), recording events until close_kv_view."""
+        if self.kv_view is None:
+            self.kv_view = KVCacheView(
+                self.scheduler, max_model_len=self.max_model_len, block_bytes=self.kv_block_bytes
+            )
+        return self.kv_view
+
+    def close_kv_view(self) -> None:
+        """Stop recording KV events: the engine is back to paying nothing for being watchable."""
+        if self.kv_view is not None:
+            self.kv_view.close()
+            self.kv_view = None
+
     def reset_prefix_cache(self) -> bool:
         """Drop all cached prefixes; False (and nothing dropped) while requests hold blocks."""
         return self.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()

@@ -6,7 +6,7 @@ from pagedllm import plot_style as style
 from pagedllm.errors import InputError
 from pagedllm.units import format_size
 
-USED, WASTED, WEIGHTS, OVERHEAD, IDLE = "#4c9a2a", style.SECOND, style.PEER, "#f0ad4e", "#e8e8e8"
+USED, WASTED, WEIGHTS, OVERHEAD, IDLE = style.USED, style.WASTED, style.PEER, style.OVERHEAD, style.IDLE
 KV_SHADES = (style.OURS, style.OURS_LIGHT)
 MAX_BOUNDARIES = 64  # more block lines than this is a smear; skip them
 MAX_USER_SEGMENTS = 128

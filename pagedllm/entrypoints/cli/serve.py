@@ -16,7 +16,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, "
-        "/v1/models, /health, /metrics, /tokenize, /detokenize, /version. With --data-parallel-size N, N engine "
+        "/v1/models, /health, /metrics, /tokenize, /detokenize, /version; in a browser, / (a chat page) and /kv (the "
+        "paged KV cache, live). With --data-parallel-size N, N engine "
         "replicas run as Ray actors (a local Ray, or the cluster at --ray-address) behind this one front end.",
     )
     add_arguments(parser)

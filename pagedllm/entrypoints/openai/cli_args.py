@@ -52,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(<tool_call>{...}</tool_call>, the fallback prompt's convention) or json (the whole output is "
         "the call); default: %(default)s",
     )
+    parser.add_argument(
+        "--kv-debug-routes",
+        action="store_true",
+        help="tests only: add POST /kv/debug/hold, which stops the engine between two steps and returns "
+        "its KVCacheManager's state; never on a server others use",
+    )
     g = parser.add_argument_group("limits (what one client may cost the server)")
     d = HTTPLimits()
     g.add_argument(

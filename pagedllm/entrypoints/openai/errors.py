@@ -22,6 +22,7 @@ ERROR_TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     408: "RequestTimeoutError",
+    409: "ConflictError",
     413: "RequestTooLargeError",
     422: "UnprocessableEntityError",
     500: "InternalServerError",

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI routes plus /health, /metrics, /tokenize, /detokenize, /version.
+"""The FastAPI app: OpenAI routes plus /health, /metrics, /tokenize, /detokenize, /version, and the browser
+pages: / (chat) and /kv (the paged KV cache, live; kv_routes.py, pages.py).
 
     python -m pagedllm.entrypoints.openai.server --model default --port 8000   # same as `pagedllm serve`
 
@@ -14,6 +15,7 @@ import logging
 import secrets
 import signal
 import sys
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Any, Literal
@@ -33,6 +35,7 @@ from pagedllm.entrypoints.openai.cli_args import (
     uses_ray,
 )
 from pagedllm.entrypoints.openai.errors import error_response, install_error_handlers
+from pagedllm.entrypoints.openai.kv_routes import add_kv_routes
 from pagedllm.entrypoints.openai.limits import (
     BodyLimitMiddleware,
     HTTPLimits,
@@ -40,6 +43,7 @@ from pagedllm.entrypoints.openai.limits import (
     cap_allocator_growth,
     guarded_h11_protocol,
 )
+from pagedllm.entrypoints.openai.pages import PAGE_PATHS, STATIC_PREFIX, add_page_routes
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -108,9 +112,10 @@ def _respond(result: Any) -> Response:
 
 
 class APIKeyMiddleware:
-    """401 unless `Authorization: Bearer KEY`, on every route but /health (a load balancer's probe):
-    /metrics too (Prometheus sends the key with `authorization: {credentials: KEY}`), and /tokenize,
-    whose work is as large as its body.
+    """401 unless `Authorization: Bearer KEY`, on every route but /health (a load balancer's probe) and the
+    pages' static files (no data in them): /metrics too (Prometheus sends the key with `authorization:
+    {credentials: KEY}`), and /tokenize, whose work is as large as its body. A browser opening a page
+    (/, /kv) cannot send a header, so there `?api_key=KEY` counts too.
 
     A plain ASGI middleware: Starlette's BaseHTTPMiddleware would wrap `receive` and hide client
     disconnects from the handlers (Request.is_disconnected), which we need to abort abandoned requests.
@@ -118,14 +123,27 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
+        self.api_key = api_key.encode()
         self.expected = f"Bearer {api_key}".encode()
 
+    def _allowed(self, scope: Scope) -> bool:
+        path = scope["path"]
+        if path in OPEN_PATHS or path.startswith(STATIC_PREFIX) or scope["method"] == "OPTIONS":
+            return True
+        if secrets.compare_digest(dict(scope["headers"]).get(b"authorization", b""), self.expected):
+            return True
+        if path in PAGE_PATHS:
+            query = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            return secrets.compare_digest(query.get("api_key", [""])[-1].encode(), self.api_key)
+        return False
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                await error_response("Invalid or missing API key", 401)(scope, receive, send)
-                return
+        if scope["type"] == "http" and not self._allowed(scope):
+            message = "Invalid or missing API key"
+            if scope["path"] in PAGE_PATHS:
+                message += f"; open {scope['path']}?api_key=KEY"
+            await error_response(message, 401)(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
@@ -157,7 +175,9 @@ def build_app(
     shutdown_timeout: float = 10.0,
     tool_call_parser: str = "hermes",
     limits: HTTPLimits | None = None,
+    kv_debug_routes: bool = False,
 ) -> FastAPI:
+    """The app over `engine`. kv_debug_routes: add the test-only POST /kv/debug/hold (kv_routes.py)."""
     metrics = ServerMetrics(engine.get_stats, replicas=getattr(engine, "replica_labels", None))
     engine.observer = metrics  # the loop thread records tokens and latencies as outputs arrive
     completions = OpenAIServingCompletion(engine, served_model_names)
@@ -283,6 +303,8 @@ def build_app(
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         return DetokenizeResponse(prompt=await asyncio.to_thread(detokenize_sync, request))
 
+    add_kv_routes(app, engine, debug_routes=kv_debug_routes)
+    add_page_routes(app)
     return app
 
 
@@ -393,6 +415,7 @@ def run_server(args: argparse.Namespace) -> int:
                 shutdown_timeout=args.shutdown_timeout,
                 tool_call_parser=args.tool_call_parser,
                 limits=limits,
+                kv_debug_routes=args.kv_debug_routes,
             )
             logger.info("ready: serving %s on http://%s:%d", name, args.host, args.port)
         except BaseException as e:  # a bad option or model: stop the server and report it as the CLI would
