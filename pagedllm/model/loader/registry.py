@@ -225,63 +225,46 @@ def _on(value: Any) -> bool:
     return value not in (None, 0, False, [], {})
 
 
-# config.json keys that turn on a feature a Gemma family implements and others do not
-_HF_GEMMA_ONLY = {
-    "attn_logit_softcapping": "attention logit soft-capping",
-    "final_logit_softcapping": "final logit soft-capping",
-    "query_pre_attn_scalar": "a non-default attention scale",
-}
-# config.json keys of a mixture-of-experts block: refused unless the family implements MoE (entry.moe)
-_HF_MOE = {
-    "num_experts": "a mixture-of-experts block",
-    "num_local_experts": "a mixture-of-experts block",
-    "moe_intermediate_size": "a mixture-of-experts block",
-}
-# config.json keys that turn on a feature no family here implements -> what it is (MoE ones included:
-# they are refused for the MoE families too)
-_HF_UNIMPLEMENTED = {
-    "use_bidirectional_attention": "bidirectional attention (an embedding model)",
-    "n_routed_experts": "a DeepSeek-style mixture-of-experts block",
-    "shared_expert_intermediate_size": "a shared expert",
-    "n_shared_experts": "shared experts",
-    "num_shared_experts": "shared experts",
-    "n_group": "grouped top-k routing",
-    "topk_group": "grouped top-k routing",
-    "topk_method": "another top-k routing method (e.g. a router bias)",
-    "scoring_func": "another router scoring function",
-    "routed_scaling_factor": "scaled routing weights",
-    "first_k_dense_replace": "leading dense layers (DeepSeek's)",
-    "moe_layer_freq": "a MoE layer frequency",
-    "use_qk_norm": "a q/k norm",
-    "qk_layernorm": "a q/k norm",
-    "mlp_bias": "MLP biases",
+# config.json keys that turn on a feature -> (what it is, the Architecture flag of the families that implement
+# it, or None where none does). In this order a config with several is refused naming the first.
+_HF_FEATURE_KEYS: dict[str, tuple[str, str | None]] = {
+    "use_bidirectional_attention": ("bidirectional attention (an embedding model)", None),
+    "n_routed_experts": ("a DeepSeek-style mixture-of-experts block", None),
+    "shared_expert_intermediate_size": ("a shared expert", None),
+    "n_shared_experts": ("shared experts", None),
+    "num_shared_experts": ("shared experts", None),
+    "n_group": ("grouped top-k routing", None),
+    "topk_group": ("grouped top-k routing", None),
+    "topk_method": ("another top-k routing method (e.g. a router bias)", None),
+    "scoring_func": ("another router scoring function", None),
+    "routed_scaling_factor": ("scaled routing weights", None),
+    "first_k_dense_replace": ("leading dense layers (DeepSeek's)", None),
+    "moe_layer_freq": ("a MoE layer frequency", None),
+    "use_qk_norm": ("a q/k norm", "qk_norm"),
+    "qk_layernorm": ("a q/k norm", "qk_norm"),
+    "mlp_bias": ("MLP biases", None),
+    "attn_logit_softcapping": ("attention logit soft-capping", "gemma"),
+    "final_logit_softcapping": ("final logit soft-capping", "gemma"),
+    "query_pre_attn_scalar": ("a non-default attention scale", "gemma"),
+    "num_experts": ("a mixture-of-experts block", "moe"),
+    "num_local_experts": ("a mixture-of-experts block", "moe"),
+    "moe_intermediate_size": ("a mixture-of-experts block", "moe"),
+    "clip_qkv": ("clipped q/k/v", "clip_qkv"),
+    "mlp_only_layers": ("dense layers in a mixture of experts", "moe_dense_layers"),
 }
 # values of those keys that ask for what every MoE family here does (the plain softmax top-k router)
 _HF_DEFAULT_VALUES = {"scoring_func": ("softmax",), "topk_method": ("greedy",), "routed_scaling_factor": (1,)}
-# keys only some families implement: the Architecture flag that allows each
-_HF_FAMILY_ONLY = {
-    "clip_qkv": ("clip_qkv", "clipped q/k/v"),
-    "mlp_only_layers": ("moe_dense_layers", "dense layers in a mixture of experts"),
-}
 
 
 def check_hf_features(entry: Architecture, cfg: dict[str, Any], where: str) -> None:
     """Refuse a config.json that asks for something `entry` does not implement: one line naming the key."""
     arch = entry.hf_architectures[0]
-    unimplemented = _HF_UNIMPLEMENTED if entry.gemma else {**_HF_UNIMPLEMENTED, **_HF_GEMMA_ONLY}
-    if not entry.moe:
-        unimplemented = {**unimplemented, **_HF_MOE}
-    unimplemented = {
-        **unimplemented,
-        **{key: what for key, (flag, what) in _HF_FAMILY_ONLY.items() if not getattr(entry, flag)},
-    }
-    for key, what in unimplemented.items():
-        if cfg.get(key) in _HF_DEFAULT_VALUES.get(key, ()):
+    for key, (what, implemented_by) in _HF_FEATURE_KEYS.items():
+        value = cfg.get(key)
+        if not _on(value) or value in _HF_DEFAULT_VALUES.get(key, ()):
             continue
-        if _on(cfg.get(key)) and not (what == "a q/k norm" and entry.qk_norm):
-            raise InputError(
-                f"{where}: {key}={cfg[key]!r} ({what}) is not supported for {arch}", param="model"
-            )
+        if implemented_by is None or not getattr(entry, implemented_by):
+            raise InputError(f"{where}: {key}={value!r} ({what}) is not supported for {arch}", param="model")
     act = hidden_act(cfg)
     allowed = ("gelu_pytorch_tanh",) if entry.gemma else ("silu",)
     if act not in allowed:
@@ -350,26 +333,24 @@ def sliding_window_layers(
     return window, list(types)
 
 
-# GGUF metadata keys (after "<arch>.") that turn on a feature nothing here implements
-_GGUF_UNIMPLEMENTED = {
-    "expert_count": "a mixture-of-experts block",
-    "expert_shared_count": "shared experts",
-    "expert_shared_feed_forward_length": "a shared expert",
-    "expert_group_count": "grouped top-k routing",
-    "expert_group_used_count": "grouped top-k routing",
-    "leading_dense_block_count": "leading dense layers (DeepSeek's)",
-    "attn_logit_softcapping": "attention logit soft-capping",
-    "final_logit_softcapping": "final logit soft-capping",
+# GGUF metadata keys (after "<arch>.") that turn on a feature -> as _HF_FEATURE_KEYS
+_GGUF_FEATURE_KEYS: dict[str, tuple[str, str | None]] = {
+    "expert_count": ("a mixture-of-experts block", "moe"),
+    "expert_shared_count": ("shared experts", None),
+    "expert_shared_feed_forward_length": ("a shared expert", None),
+    "expert_group_count": ("grouped top-k routing", None),
+    "expert_group_used_count": ("grouped top-k routing", None),
+    "leading_dense_block_count": ("leading dense layers (DeepSeek's)", None),
+    "attn_logit_softcapping": ("attention logit soft-capping", "gemma"),
+    "final_logit_softcapping": ("final logit soft-capping", "gemma"),
 }
 
 
 def check_gguf_features(entry: Architecture, meta: dict[str, Any], where: str) -> None:
     arch = entry.gguf_architecture
-    for key, what in _GGUF_UNIMPLEMENTED.items():
-        if (entry.gemma and "softcapping" in key) or (entry.moe and key == "expert_count"):
-            continue
+    for key, (what, implemented_by) in _GGUF_FEATURE_KEYS.items():
         value = meta.get(f"{arch}.{key}")
-        if value is not None and _on(value):
+        if _on(value) and (implemented_by is None or not getattr(entry, implemented_by)):
             raise InputError(
                 f"GGUF file {where}: {arch}.{key}={value!r} ({what}) is not supported for {arch}",
                 param="model",
