@@ -173,7 +173,7 @@ class ServerMetrics:
         self.registry.register(_EngineStatsCollector(get_stats))
 
     # Called by AsyncEngine on its loop thread (by DataParallelEngine on the server's event loop, with the
-    # replica's label). `timing` is that request's _RequestTiming *before* this output is accounted (so
+    # replica's label). `timing` is that request's RequestTiming *before* this output is accounted (so
     # num_outputs == 0 means this is the first output).
     def on_output(
         self, output: Any, new_tokens: int, timing: Any, now: float, replica: str | None = None

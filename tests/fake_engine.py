@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from pagedllm.engine.protocol import EngineClient
 from pagedllm.errors import InputError
 from pagedllm.sampling_params import SamplingParams
 
@@ -256,6 +257,9 @@ class FakeEngine:
         metrics = RequestMetrics(req.arrival_time, now, now if req.finished else None)
         return RequestOutput(req.request_id, list(req.prompt_token_ids), outs, req.finished, metrics)
 
+    def shutdown(self) -> None:
+        """LLMEngine's stops its tensor-parallel workers; a fake has none."""
+
     def get_stats(self) -> EngineStats:
         self._check_thread()
         used = min(self._used_blocks(), self.num_blocks)
@@ -271,9 +275,11 @@ class FakeEngine:
 
 
 @contextmanager
-def serve_in_thread(engine, api_key: str | None = None) -> Iterator[tuple[str, threading.Thread]]:
-    """The real OpenAI server app over `engine` (an AsyncEngine) on a free loopback port, in a thread:
-    yields (base_url, thread) once /health answers; stops the server on exit."""
+def serve_in_thread(
+    engine: EngineClient, api_key: str | None = None
+) -> Iterator[tuple[str, threading.Thread]]:
+    """The real OpenAI server app over `engine` (an EngineClient: an AsyncEngine over a FakeEngine) on a free
+    loopback port, in a thread: yields (base_url, thread) once /health answers; stops the server on exit."""
     import uvicorn
     from test_server import wait_healthy
 

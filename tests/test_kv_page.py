@@ -82,7 +82,7 @@ def test_unknown_query_parameters_are_a_400_naming_them(fake_server: str) -> Non
 def test_an_engine_without_a_view_gets_a_409_that_says_why(fake_server: str) -> None:
     r = httpx.get(fake_server + "/kv/events", headers={"Authorization": f"Bearer {API_KEY}"})
     assert r.status_code == 409 and "publishes no KV cache view" in r.json()["error"]["message"]
-    replicas = type("DataParallel", (), {"replica_labels": ["0", "1"]})()
+    replicas = type("DataParallel", (), {"publishes_kv_view": False, "replica_labels": ["0", "1"]})()
     with pytest.raises(APIError, match="2 data-parallel replicas") as e:
         check_view(replicas)
     assert e.value.status == 409

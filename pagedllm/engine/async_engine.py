@@ -15,35 +15,27 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.engine.client_base import EngineClientBase, RequestStream, RequestTiming, id_list
 from pagedllm.engine.kv_publisher import KVPublisher, KVSubscription
+from pagedllm.engine.protocol import EngineBusyError, EngineClosedError, RequestFailedError, StatsObserver
 from pagedllm.errors import InputError
 from pagedllm.sampling_params import SamplingParams
+
+# The errors and the stream are defined with the interface (engine/protocol.py, engine/client_base.py);
+# importing them from here still works.
+__all__ = ["AsyncEngine", "EngineBusyError", "EngineClosedError", "RequestFailedError", "RequestStream"]
 
 logger = logging.getLogger(__name__)
 
 # How long the idle loop thread sleeps on the command queue before re-checking its stop flag.
 _IDLE_POLL_S = 0.05
-
-
-class EngineClosedError(RuntimeError):
-    """The engine is shutting down (or its loop thread died): no new requests are taken."""
-
-
-class EngineBusyError(RuntimeError):
-    """The waiting queue is full (max_num_waiting): the server answers 503 with Retry-After."""
-
-
-class RequestFailedError(RuntimeError):
-    """The request ended unfinished: engine.step() raised, it was aborted, or the engine shut down."""
 
 
 @dataclass
@@ -54,83 +46,34 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
-class RequestStream:
-    """Async iterator over the cumulative RequestOutputs of one request, ending after the finished one.
-
-    Closing it (or leaving `async with`) before the end aborts the request, which frees its KV blocks.
-    """
-
-    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream):
-        self.engine = engine
-        self.request_id = request_id
-        self._stream = stream
-        self.finished = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> Any:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self._stream.queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True  # the loop thread already dropped (and aborted) this request
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
-
-    def close(self) -> None:
-        """Abort the request unless it already finished. Sync so it is safe inside `finally` on cancel."""
-        if not self.finished:
-            self.finished = True
-            self.engine.abort(self.request_id)
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
-
-
-@dataclass
-class _RequestTiming:
-    """Per-request bookkeeping for latency metrics, kept by the loop thread only."""
-
-    arrival: float
-    first_token: float | None = None
-    last_token: float | None = None
-    num_tokens: int = 0  # generated so far, summed over the choices
-    num_outputs: int = 0  # RequestOutputs seen so far
-
-
-class AsyncEngine:
-    """Runs `engine` in a background thread and exposes it to asyncio.
+class AsyncEngine(EngineClientBase):
+    """Runs `engine` in a background thread and exposes it to asyncio, as an EngineClient.
 
     `stats_observer` (optional, e.g. pagedllm.metrics.ServerMetrics) is called on the loop thread with
-    `on_output(output, new_tokens, timing, now)` for every RequestOutput and `on_abort(request_id)`.
+    `on_output(output, new_tokens, timing, now, replica=None)` for every RequestOutput and
+    `on_abort(request_id)`.
     """
+
+    replica_labels: list[str] | None = None  # one engine, no replicas
 
     def __init__(
         self,
         engine: Any,
         *,
-        stats_observer: Any = None,
+        stats_observer: StatsObserver | None = None,
         start: bool = True,
         max_num_waiting: int | None = None,
     ):
         """max_num_waiting: the most sequences that may wait for a place in the running batch; a request
         that would pass it is refused (EngineBusyError) instead of queueing behind everyone (None: no bound).
         """
+        super().__init__(stats_observer)
         self.engine = engine
         self.max_num_waiting = max_num_waiting
-        self.observer = stats_observer
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # loop thread only
-        self._timings: dict[str, _RequestTiming] = {}  # loop thread only
-        self._accepting = True
+        self._timings: dict[str, RequestTiming] = {}  # loop thread only
         self._stop = threading.Event()
-        self._ids = itertools.count()
         self._stats = None
         self._stats_failing = False
         self._kv = KVPublisher(engine)  # the /kv page's snapshots; inert until a page subscribes
@@ -152,7 +95,7 @@ class AsyncEngine:
 
     @property
     def model_config(self) -> Any:
-        return getattr(self.engine, "model_config", None)
+        return self.engine.model_config
 
     @property
     def is_running(self) -> bool:
@@ -162,8 +105,9 @@ class AsyncEngine:
         if not self._thread.is_alive():
             self._thread.start()
 
-    def new_request_id(self, prefix: str = "req") -> str:
-        return f"{prefix}-{next(self._ids)}"
+    def health(self) -> list[dict[str, Any]] | None:
+        """None: a single engine has no replicas to report; `is_running` is its health."""
+        return None
 
     async def add_request(
         self,
@@ -173,13 +117,12 @@ class AsyncEngine:
         arrival_time: float | None = None,
     ) -> RequestStream:
         """Queue a request; raises what engine.add_request raises (InputError) here, in the caller."""
-        if not self._accepting or not self.is_running:
-            raise EngineClosedError("the engine is shutting down and takes no new requests")
+        self._check_accepting()
         stream = _Stream(loop=asyncio.get_running_loop())
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._commands.put(("add", (request_id, prompt, params, arrival_time, stream, done)))
         await asyncio.wrap_future(done)
-        return RequestStream(self, request_id, stream)
+        return RequestStream(self, request_id, stream.queue)
 
     async def validate_structured_outputs(self, params: Any) -> None:
         """Check a StructuredOutputsParams in a worker thread (InputError when malformed), so that neither
@@ -189,22 +132,9 @@ class AsyncEngine:
             raise InputError("this engine has no structured outputs", param="structured_outputs")
         await asyncio.get_running_loop().run_in_executor(None, manager.validate, params)
 
-    async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[Any]:
-        """Yield cumulative RequestOutputs; cancelling or closing the consumer aborts the request."""
-        request_id = request_id or self.new_request_id()
-        stream = await self.add_request(request_id, prompt, params)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            stream.close()
-
     def abort(self, request_id: str | list[str]) -> None:
         """Abort from any thread; the loop thread applies it before its next step."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        self._commands.put(("abort", ids))
+        self._commands.put(("abort", id_list(request_id)))
 
     def get_stats(self) -> Any:
         """The engine stats as of the end of the last step (a snapshot the loop thread refreshes)."""
@@ -252,10 +182,7 @@ class AsyncEngine:
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop taking requests, let in-flight ones finish for up to `timeout` s, abort the rest, stop."""
-        self._accepting = False
-        deadline = time.monotonic() + timeout
-        while self._streams and self.is_running and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await self._drain(timeout)
         if self._streams and self.is_running:
             done: concurrent.futures.Future[None] = concurrent.futures.Future()
             self._commands.put(("abort_all", done))
@@ -266,9 +193,8 @@ class AsyncEngine:
         self._stop.set()
         self._commands.put(("wake", None))
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, max(1.0, timeout))
-        stop_workers = getattr(self.engine, "shutdown", None)  # tensor-parallel worker processes
-        if stop_workers is not None and not self._thread.is_alive():
-            stop_workers()
+        if not self._thread.is_alive():  # else the engine is still in use: leave its workers running
+            self.engine.shutdown()  # tensor-parallel worker processes
 
     # ------------------------------------------------------------------ loop thread
 
@@ -315,7 +241,7 @@ class AsyncEngine:
                 done.set_exception(e)
                 return
             self._streams[request_id] = stream
-            self._timings[request_id] = _RequestTiming(arrival=time.monotonic())
+            self._timings[request_id] = RequestTiming(arrival=time.monotonic())
             done.set_result(None)
             self._refresh_stats()
         elif kind == "abort":
@@ -404,19 +330,7 @@ class AsyncEngine:
         timing = self._timings.get(output.request_id)
         if timing is None:
             return
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
-        new_tokens = num_tokens - timing.num_tokens
-        if self.observer is not None:
-            try:
-                self.observer.on_output(output, new_tokens, timing, now)
-            except Exception:
-                logger.exception("metrics observer failed")
-        if new_tokens > 0:
-            if timing.first_token is None:
-                timing.first_token = now
-            timing.last_token = now
-            timing.num_tokens = num_tokens
-        timing.num_outputs += 1
+        self._account(timing, output, now)
         if output.finished:
             del self._timings[output.request_id]
 

@@ -7,7 +7,8 @@
     await engine.shutdown()
 
 `pagedllm serve --data-parallel-size N` serves one of these in place of an AsyncEngine: the OpenAI front end
-(tokenizer, chat template, validation, SSE) stays in the server's process and sees the same interface.
+(tokenizer, chat template, validation, SSE) stays in the server's process and sees the same EngineClient
+(engine/protocol.py).
 
 How it works
 - Each replica (`ReplicaWorker`, made a Ray actor by `ray.remote`) builds its own LLMEngine from the same
@@ -41,19 +42,19 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pagedllm.engine.async_engine import (
-    AsyncEngine,
-    EngineBusyError,
-    EngineClosedError,
-    RequestFailedError,
-    RequestStream,
-    _RequestTiming,
-)
+from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.engine.client_base import EngineClientBase, RequestStream, RequestTiming, id_list
+from pagedllm.engine.kv_publisher import KVSubscription, KVViewUnavailable
 from pagedllm.engine.prefix_router import PrefixRouter
+from pagedllm.engine.protocol import EngineBusyError, EngineClosedError, RequestFailedError
 from pagedllm.errors import InputError
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.config import ModelConfig
+    from pagedllm.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ logger = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 1.0
 # How long start-up waits for every replica to be placed, load its model and warm up.
 DEFAULT_STARTUP_TIMEOUT_S = 900.0
+_NO_KV_VIEW = "data-parallel replicas each have their own KV pool: there is no one view to show"
 
 
 # ---------------------------------------------------------------------------------------------- replica
@@ -83,7 +85,6 @@ class ReplicaWorker:
                 torch.set_num_interop_threads(threads)
             except RuntimeError:
                 pass
-        from pagedllm.engine.async_engine import AsyncEngine
         from pagedllm.engine.llm_engine import LLMEngine
 
         engine = LLMEngine(**engine_kwargs)
@@ -180,7 +181,7 @@ class _Request:
     params: SamplingParams
     arrival_time: float | None
     queue: asyncio.Queue
-    timing: _RequestTiming
+    timing: RequestTiming
     replica: int = -1
     label: str | None = None  # of the replica it was last sent to (for metrics)
     delivered: bool = False  # an output reached the consumer: no retry on another replica
@@ -226,13 +227,20 @@ class _RayOwner:
         self._thread.join(timeout)
 
 
-class DataParallelEngine:
-    """`num_replicas` LLMEngines as Ray actors, with AsyncEngine's interface (what the server uses).
+class DataParallelEngine(EngineClientBase):
+    """`num_replicas` LLMEngines as Ray actors, behind one EngineClient (engine/protocol.py).
 
     See the module docstring for routing, streaming and what happens when a replica dies.
     `observer` (e.g. pagedllm.metrics.ServerMetrics) gets `on_output(..., replica=LABEL)` and `on_abort`
     on the front end's event loop as outputs arrive.
     """
+
+    tokenizer: Tokenizer
+    max_model_len: int  # the least of the replicas'
+    model_config: ModelConfig
+    replica_labels: list[str]
+    # Each replica has its own KV pool: there is no one view for /kv to show.
+    publishes_kv_view = False
 
     def __init__(
         self,
@@ -250,6 +258,7 @@ class DataParallelEngine:
             raise InputError(
                 f"--data-parallel-size must be at least 1, got {num_replicas}", param="--data-parallel-size"
             )
+        super().__init__()
         from pagedllm.model.loader import resolve_model_path
         from pagedllm.model.tokenizer import Tokenizer
 
@@ -320,23 +329,16 @@ class DataParallelEngine:
         )
         for i, info in enumerate(infos):
             logger.info("replica %d: pid %d on node %s", i, info["pid"], info["node_id"])
-        self.observer: Any = None
         self._requests: dict[str, _Request] = {}
         self._stats: list[Any] = [None] * num_replicas
         self._pollers: list[asyncio.Task] = []
         self._closed = False
-        self._accepting = True
-        self._ids = 0
 
-    # ------------------------------------------------------------------ AsyncEngine's interface
+    # ------------------------------------------------------------------ EngineClient
 
     @property
     def is_running(self) -> bool:
         return not self._closed and any(self.router.alive)
-
-    def new_request_id(self, prefix: str = "req") -> str:
-        self._ids += 1
-        return f"{prefix}-{self._ids}"
 
     def get_stats(self) -> dict[str, Any]:
         """The latest EngineStats of each replica by its label; None for a replica that died."""
@@ -377,8 +379,7 @@ class DataParallelEngine:
         arrival_time: float | None = None,
     ) -> RequestStream:
         """Route and queue a request; raises InputError / EngineBusyError / EngineClosedError here."""
-        if not self._accepting or not self.is_running:
-            raise EngineClosedError("the engine is shutting down and takes no new requests")
+        self._check_accepting()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         self._ensure_pollers()
@@ -390,7 +391,7 @@ class DataParallelEngine:
             params=params,
             arrival_time=arrival_time,
             queue=asyncio.Queue(),
-            timing=_RequestTiming(arrival=time.monotonic()),
+            timing=RequestTiming(arrival=time.monotonic()),
         )
         self._requests[request_id] = request
         try:
@@ -398,15 +399,11 @@ class DataParallelEngine:
         except BaseException:
             self._drop(request)
             raise
-        return RequestStream(self, request.request_id, request)  # it reads request.queue, calls self.abort
-
-    # the same over this engine's add_request / new_request_id: cumulative outputs, closing aborts
-    generate = AsyncEngine.generate
+        return RequestStream(self, request.request_id, request.queue)
 
     def abort(self, request_id: str | list[str]) -> None:
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
         by_replica: dict[int, list[str]] = {}
-        for rid in ids:
+        for rid in id_list(request_id):
             request = self._requests.get(rid)
             if request is None:
                 continue
@@ -424,10 +421,7 @@ class DataParallelEngine:
         every replica (and the local Ray this engine started)."""
         if self._closed:
             return
-        self._accepting = False
-        deadline = time.monotonic() + timeout
-        while self._requests and self.is_running and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await self._drain(timeout)
         if self._requests:
             self.abort(list(self._requests))
         self._closed = True
@@ -442,6 +436,20 @@ class DataParallelEngine:
         self._kill_all()
         if self._ray_owner is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._ray_owner.stop)
+
+    # ------------------------------------------------------------------ no KV view (each replica has its pool)
+
+    async def watch_kv(self) -> KVSubscription:
+        raise KVViewUnavailable(_NO_KV_VIEW)
+
+    def unwatch_kv(self, sub: KVSubscription) -> None:
+        """Nothing to leave: watch_kv never subscribes."""
+
+    async def kv_block(self, block_id: int) -> dict[str, Any]:
+        raise KVViewUnavailable(_NO_KV_VIEW)
+
+    async def hold_steps(self, hold: bool) -> dict[str, Any]:
+        raise KVViewUnavailable(_NO_KV_VIEW)
 
     # ------------------------------------------------------------------ internals
 
@@ -539,7 +547,7 @@ class DataParallelEngine:
                 request = self._requests.get(output.request_id)
                 if request is None or request.replica != replica:
                     continue  # aborted meanwhile, or already moved elsewhere
-                self._observe(request, output, now)
+                self._account(request.timing, output, now, replica=self.replica_labels[replica])
                 request.delivered = True
                 if output.finished:
                     self._finish(request, output)
@@ -588,21 +596,3 @@ class DataParallelEngine:
         if request.replica >= 0:
             self.router.release(request.replica)
             request.replica = -1
-
-    def _observe(self, request: _Request, output: Any, now: float) -> None:
-        timing = request.timing
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
-        new_tokens = num_tokens - timing.num_tokens
-        if self.observer is not None:
-            try:
-                self.observer.on_output(
-                    output, new_tokens, timing, now, replica=self.replica_labels[request.replica]
-                )
-            except Exception:
-                logger.exception("metrics observer failed")
-        if new_tokens > 0:
-            if timing.first_token is None:
-                timing.first_token = now
-            timing.last_token = now
-            timing.num_tokens = num_tokens
-        timing.num_outputs += 1

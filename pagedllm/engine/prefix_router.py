@@ -9,7 +9,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from pagedllm.core.block_pool import BlockHash, hash_block_tokens
-from pagedllm.engine.async_engine import EngineClosedError
+from pagedllm.engine.protocol import EngineClosedError
 
 
 class PrefixRouter:

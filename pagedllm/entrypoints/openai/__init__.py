@@ -18,7 +18,8 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from pagedllm.engine.async_engine import AsyncEngine, RequestStream
+from pagedllm.engine.client_base import RequestStream
+from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.errors import InputError
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -27,7 +28,7 @@ logger = logging.getLogger("pagedllm.server")
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str]):
+    def __init__(self, engine: EngineClient, served_model_names: Sequence[str]):
         self.engine = engine
         self.served_model_names = list(served_model_names)
 
@@ -70,9 +71,9 @@ class OpenAIServing:
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         """Out-of-vocabulary ids would crash the embedding lookup inside a batched step: reject them here."""
-        vocab_size = getattr(self.engine.model_config, "vocab_size", None)
+        vocab_size = self.engine.model_config.vocab_size
         for t in token_ids:
-            if t < 0 or (vocab_size is not None and t >= vocab_size):
+            if t < 0 or t >= vocab_size:
                 raise InputError(f"token id {t} is outside the vocabulary (size {vocab_size})", param=param)
 
     def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> int:

@@ -7,13 +7,17 @@ it lives here, below the CLI, so that the server never imports the CLI.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.engine_args import add_engine_args, apply_threads
 from pagedllm.entrypoints.engine_args import engine_kwargs as shared_engine_kwargs
 from pagedllm.entrypoints.openai.limits import HTTPLimits
 from pagedllm.errors import InputError
 from pagedllm.units import format_size, parse_size
+
+if TYPE_CHECKING:
+    from pagedllm.engine.llm_engine import LLMEngine
 
 # (flag, HTTPLimits field, help): the connection timeouts, in seconds
 TIMEOUT_FLAGS = [
@@ -124,7 +128,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
-def make_engine(args: argparse.Namespace) -> Any:
+def make_engine(args: argparse.Namespace) -> LLMEngine:
     from pagedllm.engine.llm_engine import LLMEngine
 
     apply_threads(args)  # `python -m ...server` does not pass through the CLI's main, which applies it
@@ -153,7 +157,7 @@ def uses_ray(args: argparse.Namespace) -> bool:
     return True
 
 
-def make_data_parallel_engine(args: argparse.Namespace) -> Any:
+def make_data_parallel_engine(args: argparse.Namespace) -> EngineClient:
     """A DataParallelEngine of --data-parallel-size replicas, each built from the same engine options."""
     from pagedllm.engine.data_parallel import DataParallelEngine
 

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedllm.engine.async_engine import EngineBusyError, EngineClosedError, RequestFailedError
+from pagedllm.engine.protocol import EngineBusyError, EngineClosedError, RequestFailedError
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from pagedllm.errors import InputError
 

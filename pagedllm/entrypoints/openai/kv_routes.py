@@ -6,9 +6,9 @@
     POST /kv/debug/hold       test-only (--kv-debug-routes): stop or resume stepping, with the KVCacheManager's
                               own state at that instant
 
-Everything here goes through AsyncEngine's KV methods (watch_kv, kv_block, hold_steps), which run on the
-engine's thread between steps; nothing here touches the scheduler. An engine without a view (data-parallel
-replicas, each with its own pool) gets a 409 that says so, on every route.
+Everything here goes through the EngineClient's KV members (watch_kv, kv_block, hold_steps; AsyncEngine runs
+them on the engine's thread between steps); nothing here touches the scheduler. An engine without a view
+(data-parallel replicas, each with its own pool) gets a 409 that says so, on every route.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
+from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.pages import check_query, page
 
@@ -28,11 +29,11 @@ KEEP_ALIVE_S = 15.0  # an SSE comment this often on an idle engine, so proxies k
 NO_PARAMS: frozenset[str] = frozenset()
 
 
-def check_view(engine: Any) -> None:
+def check_view(engine: EngineClient) -> None:
     """409 unless this engine publishes a KV cache view."""
-    if getattr(engine, "publishes_kv_view", False):
+    if engine.publishes_kv_view:
         return
-    labels = getattr(engine, "replica_labels", None)
+    labels = engine.replica_labels
     if labels is not None:
         raise APIError(
             f"/kv shows one engine's KV cache, and this server runs {len(labels)} data-parallel replicas, "
@@ -42,7 +43,7 @@ def check_view(engine: Any) -> None:
     raise APIError("this engine publishes no KV cache view for /kv", status=409)
 
 
-async def snapshots(engine: Any) -> AsyncIterator[str]:
+async def snapshots(engine: EngineClient) -> AsyncIterator[str]:
     """The SSE body: the page's subscription lives exactly as long as this generator (the page leaving,
     or pausing, closes the connection; Starlette then cancels us and `finally` unsubscribes)."""
     sub = await engine.watch_kv()
@@ -60,7 +61,7 @@ async def snapshots(engine: Any) -> AsyncIterator[str]:
         engine.unwatch_kv(sub)
 
 
-def add_kv_routes(app: FastAPI, engine: Any, *, debug_routes: bool = False) -> None:
+def add_kv_routes(app: FastAPI, engine: EngineClient, *, debug_routes: bool = False) -> None:
     """The /kv routes; debug_routes adds POST /kv/debug/hold (tests only: it stops the engine)."""
 
     @app.get("/kv", include_in_schema=False)

@@ -3,8 +3,9 @@ pages: / (chat) and /kv (the paged KV cache, live; kv_routes.py, pages.py).
 
     python -m pagedllm.entrypoints.openai.server --model default --port 8000   # same as `pagedllm serve`
 
-`build_app(async_engine, ...)` works with any engine that has LLMEngine's interface, so tests can serve a
-fake one in-process; `run_server(args)` builds the real LLMEngine and runs uvicorn.
+`build_app(engine, ...)` serves any EngineClient (engine/protocol.py): an AsyncEngine over an LLMEngine (or
+over a test's fake one, in-process) or a DataParallelEngine; `run_server(args)` builds the real one and
+runs uvicorn.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.cli_args import (
     add_arguments,
     http_limits,
@@ -167,7 +169,7 @@ async def _unless_disconnected(raw: Request, work: Awaitable[Any]) -> Any:
 
 
 def build_app(
-    engine: AsyncEngine,
+    engine: EngineClient,
     *,
     served_model_names: list[str],
     api_key: str | None = None,
@@ -178,8 +180,8 @@ def build_app(
     kv_debug_routes: bool = False,
 ) -> FastAPI:
     """The app over `engine`. kv_debug_routes: add the test-only POST /kv/debug/hold (kv_routes.py)."""
-    metrics = ServerMetrics(engine.get_stats, replicas=getattr(engine, "replica_labels", None))
-    engine.observer = metrics  # the loop thread records tokens and latencies as outputs arrive
+    metrics = ServerMetrics(engine.get_stats, replicas=engine.replica_labels)
+    engine.observer = metrics  # the engine records tokens and latencies as outputs arrive
     completions = OpenAIServingCompletion(engine, served_model_names)
     chat = OpenAIServingChat(engine, served_model_names, tool_call_parser=tool_call_parser)
 
@@ -205,8 +207,7 @@ def build_app(
     async def health() -> HealthResponse:
         if not engine.is_running:
             return error_response("the engine loop is not running", 503)
-        replicas = getattr(engine, "health", None)  # data-parallel replicas (engine/data_parallel.py)
-        return HealthResponse(replicas=replicas() if replicas is not None else None)
+        return HealthResponse(replicas=engine.health())
 
     @app.get("/version", responses=READ_ERRORS)
     async def version() -> VersionResponse:
@@ -251,7 +252,7 @@ def build_app(
             "pad_token": getattr(hf, "pad_token", None),
             "unk_token": getattr(hf, "unk_token", None),
             "chat_template": getattr(tok, "chat_template", None),
-            "vocab_size": getattr(engine.model_config, "vocab_size", None),
+            "vocab_size": engine.model_config.vocab_size,
             "model_max_length": engine.max_model_len,
         }
 
@@ -331,7 +332,7 @@ class StartupGate:
 
     def __init__(self) -> None:
         self.app: ASGIApp | None = None
-        self.async_engine: AsyncEngine | None = None
+        self.engine: EngineClient | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.app is not None:
@@ -360,8 +361,8 @@ def run_server(args: argparse.Namespace) -> int:
         async def shutdown(self, sockets: Any = None) -> None:
             for server in self.servers:
                 server.close()
-            if gate.async_engine is not None:
-                await gate.async_engine.shutdown(timeout=args.shutdown_timeout)
+            if gate.engine is not None:
+                await gate.engine.shutdown(timeout=args.shutdown_timeout)
             await super().shutdown(sockets=sockets)
             # uvicorn re-raises a captured SIGTERM after shutdown, so the process would die of it (exit
             # 143) even though it drained cleanly; a supervisor should see 0. SIGINT is left as it is.
@@ -370,7 +371,7 @@ def run_server(args: argparse.Namespace) -> int:
         async def on_tick(self, counter: int) -> bool:
             # Ray (--data-parallel-size) installs its own handler of fatal signals, SIGTERM among them, when
             # the engine starts; take SIGINT and SIGTERM back (here on the main thread) so that they drain.
-            if data_parallel and gate.async_engine is not None and not self._signals_restored:
+            if data_parallel and gate.engine is not None and not self._signals_restored:
                 self._signals_restored = True
                 if threading.current_thread() is threading.main_thread():
                     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -402,13 +403,13 @@ def run_server(args: argparse.Namespace) -> int:
     def load() -> None:
         try:
             if data_parallel:  # replicas on Ray, each loaded and warmed up in its own process
-                gate.async_engine = make_data_parallel_engine(args)
+                gate.engine = make_data_parallel_engine(args)
             else:
                 engine = make_engine(args)
                 engine.warm_up()
-                gate.async_engine = AsyncEngine(engine, max_num_waiting=args.max_num_waiting)
+                gate.engine = AsyncEngine(engine, max_num_waiting=args.max_num_waiting)
             gate.app = build_app(
-                gate.async_engine,
+                gate.engine,
                 served_model_names=[name],
                 api_key=args.api_key,
                 model_root=args.model,

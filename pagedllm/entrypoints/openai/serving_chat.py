@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.engine.async_engine import EngineClosedError, RequestFailedError, RequestStream
+from pagedllm.engine.client_base import RequestStream
+from pagedllm.engine.protocol import EngineClient, EngineClosedError, RequestFailedError
 from pagedllm.entrypoints.openai import OpenAIServing, last_outputs
 from pagedllm.entrypoints.openai.errors import error_body
 from pagedllm.entrypoints.openai.protocol import (
@@ -94,7 +95,9 @@ def forced_calls_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, engine: Any, served_model_names: Any, tool_call_parser: str = "hermes"):
+    def __init__(
+        self, engine: EngineClient, served_model_names: Sequence[str], tool_call_parser: str = "hermes"
+    ):
         super().__init__(engine, served_model_names)
         self.tool_parser = get_tool_parser(tool_call_parser)
 

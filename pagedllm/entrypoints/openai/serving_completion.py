@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.engine.async_engine import EngineClosedError, RequestFailedError
+from pagedllm.engine.protocol import EngineClosedError, RequestFailedError
 from pagedllm.entrypoints.openai import OpenAIServing, last_outputs, merge_streams
 from pagedllm.entrypoints.openai.errors import error_body
 from pagedllm.entrypoints.openai.protocol import (
