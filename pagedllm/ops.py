@@ -1,20 +1,23 @@
-"""The named ops of the model and the one place that picks each op's implementation.
+"""The named ops of the model and the one place that picks, loads and hands out each op's implementation.
 
-Every fast operation the model runs has a torch reference ("torch") and, where this machine has one,
-a backend (a C++ kernel built for the CPU tier, oneDNN, the AMX unit). `select` chooses one per op from
-the capability set (platform.py) and the kernels that built (kernels.py), once a process: the engine calls
-`table()` at start-up, which builds every kernel it picks before the first request, and the layers ask
-`backend(op)` instead of probing the hardware themselves. `pagedllm env` prints the table.
+Every fast operation the model runs has a torch reference (backend "torch") and, where this machine has
+one, a backend: a C++ kernel built for the CPU tier, oneDNN, the AMX unit. `select` chooses one per op
+from the capability set (platform.py) and the kernels that built (kernels.py), once a process: the engine
+calls `table()` at start-up, which builds every kernel it picks before the first request. Call sites ask
+`kernel(op)` for the implementation (the loaded C++ module, or None where the reference runs) and never
+load a kernel themselves, so `forced(op="torch")` really runs the reference of any op. `pagedllm env`
+prints the table.
 
-Ops (the layers that dispatch on them):
+Ops (the code that dispatches on them):
     layer_ops         RMSNorm, residual add + RMSNorm, rotary, SiLU-and-mul (model/layers)
     attention_decode  decode attention over the paged cache (attention/paged.py)
     write_kv          new K/V into their cache slots (attention/paged.py)
-    attention_prefill prompt attention (torch SDPA on every tier)
-    linear            dense bf16 / fp32 linears (model/fuse.py)
-    quantized_linear  4/8-bit weight-only linears: GGUF blocks, RTN, GPTQ, AWQ (quantization/linear.py)
+    attention_prefill prompt attention: torch SDPA, or the eager formula as the reference (attention/paged.py)
+    linear            dense bf16 / fp32 linears: prepacked for oneDNN at build, or F.linear (model/fuse.py)
+    quantized_linear  4/8-bit weight-only linears: GGUF blocks, RTN, GPTQ, AWQ (quantization/woq_kernels.py)
     argmax            greedy sampling of a whole batch (worker/sampler.py)
-    decoder_stack     all decoder layers of a decode step in one fused call, or the per-op layer loop
+    decoder_stack     all decoder layers of a decode step in one fused call, or the model's layer loop
+                      (model/decode_stack.py; whether a model can take it is decided with the model)
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
+from types import ModuleType
 
 from pagedllm import kernels, platform
 
@@ -38,13 +42,18 @@ OPS = (
     "argmax",
     "decoder_stack",
 )
+REFERENCE = "torch"  # every op's reference backend: plain torch, what every other backend is tested against
+# quantized_linear's backends and the kernels each reads (woq_kernels.py): at the amx tier the AMX kernels
+# take bf16 activations and the AVX2 one float32; "torch-packed" is torch's int4/int8 kernels, no C++
+QUANTIZED_LINEAR_KERNELS = {"amx": ("woq_amx", "woq_avx2"), "avx2": ("woq_avx2",), "torch-packed": ()}
 
 
 @dataclass(frozen=True)
 class Choice:
     op: str
-    backend: str  # "torch" is the reference; anything else names the kernel that runs
+    backend: str  # "torch" is the reference; anything else names what runs
     detail: str  # what runs and why, for `pagedllm env` and the start-up log
+    kernels: tuple[str, ...] = ()  # the kernels.KERNELS entries the backend calls, the first its main one
 
 
 @cache
@@ -66,22 +75,27 @@ def prepacking_available() -> bool:
         return False
 
 
+def _usable(kernel: str, caps: platform.Capabilities) -> bool:
+    """The kernel is for a tier `caps` has (not only this process's), it builds here, and it runs (the
+    AMX one asks the OS for the tile state)."""
+    need = kernels.KERNELS[kernel].min_tier
+    if need is not None and not caps.at_least(need):
+        return False
+    module = kernels.load(kernel)
+    return module is not None and getattr(module, "available", lambda: True)()
+
+
 def select(caps: platform.Capabilities) -> dict[str, Choice]:
     """Each op's implementation on this machine (builds the kernels it needs to know that they load)."""
     tier = caps.tier
     vec = "16 lanes at a time with AVX-512" if caps.at_least("avx512") else f"loops compiled for {tier}"
     out: dict[str, Choice] = {}
 
-    def loads(kernel: str) -> bool:
-        """The kernel is for a tier `caps` has (not only this process's) and it builds here."""
-        need = kernels.KERNELS[kernel].min_tier
-        return (need is None or caps.at_least(need)) and kernels.load(kernel) is not None
-
-    def pick(op: str, kernel: str | None, backend: str, detail: str, fallback: str) -> None:
-        if kernel is not None and loads(kernel):
-            out[op] = Choice(op, backend, detail)
+    def pick(op: str, kernel: str, backend: str, detail: str, reference: str) -> None:
+        if _usable(kernel, caps):
+            out[op] = Choice(op, backend, detail, (kernel,))
         else:
-            out[op] = Choice(op, "torch", fallback)
+            out[op] = Choice(op, REFERENCE, reference)
 
     pick(
         "layer_ops",
@@ -100,51 +114,55 @@ def select(caps: platform.Capabilities) -> dict[str, Choice]:
     )
     pick("write_kv", "paged_decode", f"cpp-{tier}", "one call for all new K/V", "index_copy_ per cache")
     out["attention_prefill"] = Choice(
-        "attention_prefill", "torch", "scaled_dot_product_attention (causal, GQA), one prompt at a time"
+        "attention_prefill", "sdpa", "scaled_dot_product_attention (causal, GQA), one prompt at a time"
     )
     if caps.native_bf16 and prepacking_available():
         out["linear"] = Choice(
-            "linear", "onednn-prepacked", "bf16 weights reordered once for oneDNN; fp32: MKL"
+            "linear", "onednn-prepacked", "bf16 weights reordered once for oneDNN at build; fp32: MKL"
         )
     else:
-        out["linear"] = Choice("linear", "torch", "F.linear (MKL sgemm for fp32, ATen's bf16 gemm for bf16)")
-    if loads("woq_amx"):
+        out["linear"] = Choice(
+            "linear", REFERENCE, "F.linear (MKL sgemm for fp32, ATen's bf16 gemm for bf16)"
+        )
+    if all(_usable(k, caps) for k in QUANTIZED_LINEAR_KERNELS["amx"]):
         out["quantized_linear"] = Choice(
             "quantized_linear",
             "amx",
-            "bf16: AVX512-BF16 dot products for 1-4 rows, AMX tiles above; fp32: avx2",
+            "bf16: AVX512-BF16 dot products for 1-4 rows, AMX tiles above; fp32: the avx2 kernel",
+            QUANTIZED_LINEAR_KERNELS["amx"],
         )
-    elif loads("woq_avx2"):
+    elif _usable("woq_avx2", caps):
         out["quantized_linear"] = Choice(
             "quantized_linear",
             "avx2",
             "int8 activations x 4/8-bit codes (AVX2 maddubs), any rows, fp32 or bf16",
+            QUANTIZED_LINEAR_KERNELS["avx2"],
         )
     else:
         out["quantized_linear"] = Choice(
             "quantized_linear",
-            "torch",
+            "torch-packed",
             "torch's int4/int8 packed kernels for small bf16 batches, else the weight dequantized per call",
         )
     pick("argmax", "greedy", f"cpp-{tier}", "first maximum of each row in one pass", "torch max(dim)")
     # built for this tier from avx2 up; below amx it serves only the AVX2 kernel's layout, so it is
-    # built there only where that kernel loads
-    wants_stack = caps.at_least("amx") or loads("woq_avx2")
-    stack = kernels.load("decode_stack") if wants_stack and loads("decode_stack") else None
-    if stack is not None and getattr(stack, "amx", True) and caps.at_least("amx"):
+    # chosen there only where that kernel loads. Whether a model can take it is asked with the model
+    # (decode_stack.supports; `pagedllm env --model M`).
+    if out["quantized_linear"].backend in ("amx", "avx2") and _usable("decode_stack", caps):
+        amx = out["quantized_linear"].backend == "amx"
         out["decoder_stack"] = Choice(
             "decoder_stack",
-            "fused-amx",
-            "decode steps and fresh prefills in one C++ call (bf16 AMX-layout or prepacked; AVX2 layout)",
-        )
-    elif stack is not None:
-        out["decoder_stack"] = Choice(
-            "decoder_stack",
-            "fused-avx2",
-            "decode steps and fresh prefills in one C++ call (AVX2-layout linears, fp32 or bf16)",
+            "fused-amx" if amx else "fused-avx2",
+            "decode steps and fresh prefills in one C++ call, for models whose every decoder linear it can "
+            + (
+                "call (AMX-layout, AVX2-layout or prepacked bf16)"
+                if amx
+                else "call (AVX2-layout, fp32 or bf16)"
+            ),
+            ("decode_stack",),
         )
     else:
-        out["decoder_stack"] = Choice("decoder_stack", "per-op", "the model's layer loop, each op as above")
+        out["decoder_stack"] = Choice("decoder_stack", REFERENCE, "the model's layer loop, each op as above")
     return out
 
 
@@ -163,6 +181,7 @@ def table() -> dict[str, Choice]:
 
 
 _forced: dict[str, str] = {}
+_kernel_cache: dict[tuple[str, str | None], ModuleType | None] = {}  # (op, name) -> module, unforced
 
 
 def backend(op: str) -> str:
@@ -170,13 +189,63 @@ def backend(op: str) -> str:
     return _forced.get(op) or table()[op].backend
 
 
+def kernel(op: str, name: str | None = None) -> ModuleType | None:
+    """The C++ module that implements `op` here (its kernel `name`, where the backend calls several), or
+    None where the torch reference runs: no kernel for this tier, or inside forced(op="torch"). Called on
+    every op call, so it is two dict look-ups."""
+    if _forced:
+        forced_backend = _forced.get(op)
+        if forced_backend is not None and forced_backend != table()[op].backend:
+            return _forced_kernel(op, forced_backend, name)
+    key = (op, name)
+    try:
+        return _kernel_cache[key]
+    except KeyError:
+        choice = table()[op]
+        wanted = name or (choice.kernels[0] if choice.kernels else None)
+        module = kernels.load(wanted) if wanted in choice.kernels else None
+        _kernel_cache[key] = module
+        return module
+
+
+def any_forced(names: tuple[str, ...]) -> bool:
+    """Whether any of these ops runs on another backend than the table's (inside ops.forced)."""
+    return bool(_forced) and any(_forced.get(op, table()[op].backend) != table()[op].backend for op in names)
+
+
+def _forced_kernel(op: str, forced_backend: str, name: str | None) -> ModuleType | None:
+    if forced_backend == REFERENCE or op != "quantized_linear":
+        return None
+    names = QUANTIZED_LINEAR_KERNELS[forced_backend]
+    wanted = name or (names[0] if names else None)
+    return kernels.load(wanted) if wanted in names else None
+
+
+def _check_forcible(op: str, value: str) -> None:
+    """The reference, the table's own choice, or (quantized_linear) another backend whose kernels run here."""
+    if value in (REFERENCE, table()[op].backend):
+        return
+    if op == "quantized_linear" and value in QUANTIZED_LINEAR_KERNELS:
+        caps = platform.capabilities()
+        if all(_usable(k, caps) for k in QUANTIZED_LINEAR_KERNELS[value]):
+            return
+        raise ValueError(f"quantized_linear backend {value!r} cannot run here (its kernels do not load)")
+    raise ValueError(
+        f"{op} cannot be forced to {value!r}: use {REFERENCE!r} (the reference) or {table()[op].backend!r}"
+    )
+
+
 @contextmanager
 def forced(**backends: str):
     """Run ops on other backends inside the block, e.g. forced(quantized_linear="torch") for the
-    reference: tests compare a kernel against it, and check the reference's own exactness, on any CPU."""
+    reference: tests compare a kernel against it, and check the reference's own exactness, on any CPU.
+    What is decided at build time (prepacking, a layer's quantized kernel, the fused stack) follows the
+    backends in force while the model is built; per-call ops follow them call by call."""
     unknown = set(backends) - set(OPS)
     if unknown:
         raise ValueError(f"unknown ops {sorted(unknown)}; ops are {', '.join(OPS)}")
+    for op, value in backends.items():
+        _check_forcible(op, value)
     saved = dict(_forced)
     _forced.update(backends)
     try:

@@ -23,6 +23,7 @@ import gguf
 import torch
 import torch.nn.functional as F
 
+from pagedllm import ops
 from pagedllm.model.loader import resolve_model_path
 from pagedllm.quantization import avx2
 from pagedllm.quantization.gguf_native import decode_blocks
@@ -100,7 +101,7 @@ def seconds(fn, cpu: bool) -> float:
 
 def calls(kind: str, meta, packed, weights, xs, which: list[int]):
     """The calls of `which` layers, as one function: ours, fp32 F.linear, or (M=1) the fp32-activation gemv."""
-    ext = avx2.load()
+    ext = ops.kernel("quantized_linear", "woq_avx2")
     if kind == "ours":
         return lambda: [
             avx2.matmul(xs[meta[i][1]], packed[i], None, meta[i][2], GROUP, meta[i][0]) for i in which
@@ -126,8 +127,11 @@ def main() -> None:
     )
     args = ap.parse_args()
     pick = min if args.min else statistics.median
-    if avx2.load() is None:
-        raise SystemExit("the AVX2 kernel is not available on this machine")
+    if ops.kernel("quantized_linear", "woq_avx2") is None:
+        raise SystemExit(
+            "the AVX2 kernel is not available on this machine (op table: quantized_linear="
+            f"{ops.backend('quantized_linear')})"
+        )
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     layers = model_layers()

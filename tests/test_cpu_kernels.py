@@ -9,10 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention import cpu_kernel
+from pagedllm import ops as op_table
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged import decode_torch, write_kv
-from pagedllm.model.layers import cpu_ops
 from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -21,7 +20,7 @@ DTYPES = [torch.bfloat16, torch.float32]
 
 @pytest.fixture(scope="module")
 def ops():
-    mod = cpu_ops.load()
+    mod = op_table.kernel("layer_ops")
     assert mod is not None, (
         "the C++ layer ops did not build (compiler and ninja are installed by the Makefile)"
     )
@@ -30,7 +29,7 @@ def ops():
 
 @pytest.fixture(scope="module")
 def kernel():
-    mod = cpu_kernel.load()
+    mod = op_table.kernel("attention_decode")
     assert mod is not None, "the C++ paged decode kernel did not build"
     return mod
 
@@ -137,13 +136,6 @@ def test_write_kv_kernel_equals_index_copy(kernel, dtype):
     assert torch.equal(got, want)
     with pytest.raises(RuntimeError, match="slot out of range"):
         kernel.write_kv(k, v, got, slots + 1000)
-
-
-def test_write_kv_uses_the_kernel_for_a_plain_cache(kernel, monkeypatch):
-    calls = []
-    monkeypatch.setattr(cpu_kernel, "load", lambda: type("K", (), {"write_kv": lambda *a: calls.append(a)})())
-    write_kv(torch.zeros(2, 2, 16, 1, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), torch.tensor([3]))
-    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("lens", [[1, 15, 16, 17], [100, 300, 7, 64, 33]])

@@ -10,23 +10,28 @@ import pytest
 import torch
 from tiny_models import save_tiny_llama, save_tiny_qwen2
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, ops
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.model import decode_stack
 from pagedllm.model.build import build_model
 from pagedllm.model.fuse import fuse_for_inference
-from pagedllm.model.layers.packed_linear import prepacking_available
 from pagedllm.model.loader import default_model_path
-from pagedllm.quantization import amx, avx2
 
 BF16 = torch.bfloat16
 FP32 = torch.float32
-needs_amx = pytest.mark.skipif(amx.load() is None, reason="no AMX on this CPU (or no compiler)")
+# the kernels the op table hands out on this machine (None where it runs the torch reference)
+AMX = ops.kernel("quantized_linear", "woq_amx")
+AVX2 = ops.kernel("quantized_linear", "woq_avx2")
+STACK = ops.kernel("decoder_stack")
+# bf16 linears prepacked for oneDNN at build (the table's choice: not below the native-bf16 tiers, even where
+# the oneDNN probe passes, e.g. with PAGEDLLM_CPU_ISA=avx2)
+PREPACKED = ops.backend("linear") == "onednn-prepacked"
+needs_amx = pytest.mark.skipif(AMX is None, reason="no AMX on this CPU (or no compiler)")
 needs_avx2 = pytest.mark.skipif(
-    avx2.load() is None or decode_stack.load() is None, reason="no AVX2 kernel on this CPU (or no compiler)"
+    AVX2 is None or STACK is None, reason="no AVX2 kernel on this CPU (or no compiler)"
 )
 needs_prepacking = pytest.mark.skipif(
-    not prepacking_available() or decode_stack.load() is None, reason="no oneDNN prepacking (or no compiler)"
+    not PREPACKED or STACK is None, reason="no oneDNN prepacking at this tier (or no compiler)"
 )
 
 
@@ -123,7 +128,7 @@ def stack_and_loop(model, lengths: list[int], steps: int, block_size: int = 16):
 
 
 def assert_stack_equals_loop(model, lengths: list[int], steps: int) -> None:
-    assert model.decode_stack is not None
+    assert model.decode_stack is not None and decode_stack.supports(model) is None
     hidden, caches, loop_caches = stack_and_loop(model, lengths, steps)
     assert len(hidden) == len(lengths) + steps
     for got, want in hidden:
@@ -175,10 +180,16 @@ def test_stack_is_built_only_for_models_it_can_run(gguf_model, bf16_model, tiny_
     fp32, _ = build_model(tiny_qwen2_path, torch.float32, show_progress=False)
     fuse_for_inference(fp32)
     assert fp32.decode_stack is None  # unquantized fp32 linears (MKL): the layer loop
-    if amx.load() is None and avx2.load() is None:  # quantized layers without a kernel layout: the loop
+    reason = decode_stack.supports(fp32)
+    assert reason is not None
+    if STACK is not None:  # the stack is here; the model's linears are what it cannot call
+        assert reason.startswith("layer 0 qkv_proj is a Linear"), reason
+    if AMX is None and AVX2 is None:  # quantized layers without a kernel layout: the loop
         assert gguf_model.decode_stack is None
-    if not prepacking_available():
+    if not PREPACKED:
         assert bf16_model.decode_stack is None
+    for model in (fp32, gguf_model, bf16_model):  # built exactly where supports() finds no reason
+        assert (model.decode_stack is None) == (decode_stack.supports(model) is not None)
 
 
 def test_stack_steps_aside_for_mixed_and_chunked_steps_and_quantized_caches():
@@ -228,8 +239,10 @@ def tiny_llama_path(tmp_path_factory):
 
 def assert_avx2_stack(model) -> None:
     linear = model.model.layers[0].self_attn.qkv_proj
-    assert linear._avx2 and linear.path(1, model.model.embed_tokens.weight.dtype) == "avx2"
-    assert model.decode_stack is not None
+    # fuse_for_inference packed it for the model's activations
+    assert linear.kernel is not None and linear.kernel.name == "avx2"
+    assert linear.layout and linear.qweight is None
+    assert model.decode_stack is not None and decode_stack.supports(model) is None
 
 
 @needs_avx2
@@ -249,7 +262,7 @@ def test_avx2_stack_equals_the_layer_loop_on_tiny_int4_fp32(which, lengths, tiny
 
 
 @needs_avx2
-@pytest.mark.skipif(amx.load() is not None, reason="bf16 takes the AMX layout on this CPU (tested above)")
+@pytest.mark.skipif(AMX is not None, reason="bf16 takes the AMX layout on this CPU (tested above)")
 def test_avx2_stack_equals_the_layer_loop_on_the_default_gguf_model_bf16(gguf_model):
     assert_avx2_stack(gguf_model)
     assert_stack_equals_loop(gguf_model, [16, 1, 33], steps=2)
@@ -265,6 +278,8 @@ def test_a_model_feature_the_stack_lacks_gets_the_layer_loop(feature, tiny_llama
         model.model.layers[1].self_attn.q_norm = torch.nn.Identity()
     fuse_for_inference(model)
     assert model.decode_stack is None
+    reason = decode_stack.supports(model)
+    assert ("'gemma'" if feature == "architecture" else "layer 1 self_attn has q_norm") in reason, reason
     cfg = model.config
     cache = [torch.zeros(2, 4, 16, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
     meta = AttentionMetadata(

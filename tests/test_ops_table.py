@@ -46,9 +46,9 @@ def test_select_on_avx2_never_picks_a_higher_tier_backend():
         assert choice.backend not in HIGHER_BACKENDS, (op, choice)
     # the fused stack at avx2 serves exactly the AVX2 kernel's layout: both or neither
     assert (chosen["decoder_stack"].backend == "fused-avx2") == (chosen["quantized_linear"].backend == "avx2")
-    assert chosen["quantized_linear"].backend in ("avx2", "torch")
+    assert chosen["quantized_linear"].backend in ("avx2", "torch-packed")
     assert chosen["linear"].backend == "torch"
-    assert chosen["attention_prefill"].backend == "torch"
+    assert chosen["attention_prefill"].backend == "sdpa"
     for op in ("layer_ops", "attention_decode", "write_kv", "argmax"):
         assert chosen[op].backend in ("cpp-avx2", "torch"), op
 
@@ -56,7 +56,7 @@ def test_select_on_avx2_never_picks_a_higher_tier_backend():
 def test_select_on_none_tier_is_all_reference():
     """A CPU below avx2 (or not x86): never an AVX-512/AMX backend, never prepacked bf16 linears."""
     chosen = ops.select(caps("none", flags=frozenset()))
-    assert chosen["decoder_stack"].backend == "per-op"
+    assert chosen["decoder_stack"].backend == "torch"
     assert chosen["linear"].backend == "torch"
     for choice in chosen.values():
         assert choice.backend not in HIGHER_BACKENDS
@@ -76,7 +76,7 @@ def test_select_honours_its_caps_argument_on_a_higher_cpu(monkeypatch):
     chosen = ops.select(caps("avx2", detected="amx", flags=AMX_FLAGS))
     assert chosen["linear"].backend == "torch"  # this one does follow caps (native_bf16)
     assert chosen["quantized_linear"].backend not in HIGHER_BACKENDS
-    assert chosen["decoder_stack"].backend in ("per-op", "fused-avx2")
+    assert chosen["decoder_stack"].backend in ("torch", "fused-avx2")
 
 
 def test_select_on_a_stubbed_amx_process_picks_amx(monkeypatch):
@@ -87,6 +87,7 @@ def test_select_on_a_stubbed_amx_process_picks_amx(monkeypatch):
     monkeypatch.setattr(kernels, "load", lambda name: types.SimpleNamespace(name=name))
     monkeypatch.setattr(ops, "prepacking_available", lambda: True)
     chosen = ops.select(process)
+    assert chosen["quantized_linear"].kernels == ("woq_amx", "woq_avx2")
     assert chosen["quantized_linear"].backend == "amx"
     assert chosen["decoder_stack"].backend == "fused-amx"
     assert chosen["linear"].backend == "onednn-prepacked"
@@ -100,12 +101,13 @@ def test_select_without_any_kernel_is_the_reference(monkeypatch):
         "layer_ops": "torch",
         "attention_decode": "torch",
         "write_kv": "torch",
-        "attention_prefill": "torch",
+        "attention_prefill": "sdpa",
         "linear": "torch",
-        "quantized_linear": "torch",
+        "quantized_linear": "torch-packed",
         "argmax": "torch",
-        "decoder_stack": "per-op",
+        "decoder_stack": "torch",
     }
+    assert all(not c.kernels for c in chosen.values())
 
 
 # ---- forced ------------------------------------------------------------------------------------------
@@ -114,24 +116,44 @@ def test_select_without_any_kernel_is_the_reference(monkeypatch):
 def test_forced_changes_the_backend_inside_the_block_only():
     before = {op: ops.backend(op) for op in ops.OPS}
     assert before == {op: c.backend for op, c in ops.table().items()}
-    with ops.forced(quantized_linear="torch", argmax="test-sentinel"):
+    with ops.forced(quantized_linear="torch", argmax="torch"):
         assert ops.backend("quantized_linear") == "torch"
-        assert ops.backend("argmax") == "test-sentinel"
+        assert ops.backend("argmax") == "torch" and ops.kernel("argmax") is None
         assert ops.backend("layer_ops") == before["layer_ops"]
-        with ops.forced(argmax="inner"):
-            assert ops.backend("argmax") == "inner"
+        with ops.forced(argmax=before["argmax"]):  # the table's own choice, forced back inside
+            assert ops.backend("argmax") == before["argmax"]
+            assert (ops.kernel("argmax") is None) == (not ops.table()["argmax"].kernels)
             assert ops.backend("quantized_linear") == "torch"
-        assert ops.backend("argmax") == "test-sentinel"
+        assert ops.backend("argmax") == "torch"
     assert {op: ops.backend(op) for op in ops.OPS} == before
 
 
 def test_forced_restores_after_an_exception():
     before = ops.backend("quantized_linear")
     with pytest.raises(RuntimeError, match="inside"):
-        with ops.forced(quantized_linear="test-sentinel"):
-            assert ops.backend("quantized_linear") == "test-sentinel"
+        with ops.forced(quantized_linear="torch-packed"):
+            assert ops.backend("quantized_linear") == "torch-packed"
             raise RuntimeError("inside")
     assert ops.backend("quantized_linear") == before
+
+
+def test_forced_rejects_a_backend_that_cannot_run_here():
+    with pytest.raises(ValueError, match="test-sentinel"):
+        with ops.forced(argmax="test-sentinel"):
+            pytest.fail("entered a forced block with an unknown backend")
+    assert ops.backend("argmax") == ops.table()["argmax"].backend
+
+
+def test_kernel_hands_out_the_tables_modules():
+    """ops.kernel gives the module the table chose (the same object kernels.load built), None for the
+    reference; a kernel the backend does not use is None."""
+    for op, choice in ops.table().items():
+        module = ops.kernel(op)
+        if choice.kernels:
+            assert module is kernels.load(choice.kernels[0]) and module is not None, op
+        else:
+            assert module is None, op
+    assert ops.kernel("argmax", "woq_amx") is None
 
 
 def test_forced_rejects_an_unknown_op():

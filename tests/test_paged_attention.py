@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from pagedllm import ops
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.paged import paged_attention, write_kv
 
@@ -134,10 +135,9 @@ def test_shared_blocks_are_read_by_both_sequences():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernel_equals_torch_decode(dtype):
     """The C++ decode kernel (built on first use) against the pure-torch gather + SDPA path."""
-    from pagedllm.attention import cpu_kernel
     from pagedllm.attention.paged import decode_torch
 
-    kernel = cpu_kernel.load()
+    kernel = ops.kernel("attention_decode")
     assert kernel is not None, (
         "the C++ decode kernel failed to build (compiler and ninja are installed by setup)"
     )
@@ -192,13 +192,15 @@ def poison_before_windows(cache, meta, window, poison: int) -> None:
 
 @pytest.mark.parametrize("window, softcap", [(20, None), (20, 2.0), (None, 2.0), (1, None), (64, None)])
 @pytest.mark.parametrize("backend", ["kernel", "torch"])
-def test_window_and_softcap_match_dense(window, softcap, backend, monkeypatch):
-    from pagedllm.attention import cpu_kernel
-
-    if backend == "torch":
-        monkeypatch.setattr(cpu_kernel, "load", lambda: None)
-    elif cpu_kernel.load() is None:
+def test_window_and_softcap_match_dense(window, softcap, backend):
+    if backend == "kernel" and ops.kernel("attention_decode") is None:
         pytest.fail("the C++ decode kernel failed to build (compiler and ninja are installed by setup)")
+    forced = {"attention_decode": "torch", "write_kv": "torch", "attention_prefill": "torch"}
+    with ops.forced(**(forced if backend == "torch" else {})):
+        _window_and_softcap_match_dense(window, softcap)
+
+
+def _window_and_softcap_match_dense(window, softcap):
     gen = torch.Generator().manual_seed(5)
     num_blocks = 64
     # decodes at several lengths, a fresh prompt longer than the window, chunks over cached prefixes
@@ -220,10 +222,9 @@ def test_window_and_softcap_match_dense(window, softcap, backend, monkeypatch):
 
 def test_bf16_window_kernel_matches_its_reference():
     """bf16 windows take the generic kernel tasks (the AVX512-BF16 ones attend to whole contexts)."""
-    from pagedllm.attention import cpu_kernel
     from pagedllm.attention.paged import decode_torch
 
-    kernel = cpu_kernel.load()
+    kernel = ops.kernel("attention_decode")
     assert kernel is not None
     gen = torch.Generator().manual_seed(9)
     lengths = [1, 20, 21, 100]

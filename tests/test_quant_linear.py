@@ -12,12 +12,25 @@ from pagedllm import ops
 from pagedllm.config import ModelConfig
 from pagedllm.errors import InputError
 from pagedllm.gguf_layout import unpermute_qk
-from pagedllm.quantization import amx
+from pagedllm.quantization import amx, woq_kernels
 from pagedllm.quantization.gguf_native import decode_blocks, gguf_quant_linear
-from pagedllm.quantization.linear import KERNEL_MAX_ROWS, QuantLinear
+from pagedllm.quantization.linear import QuantLinear
 from pagedllm.quantization.model import quantize_model
 from pagedllm.quantization.rtn import rtn_quantize_weight
 from pagedllm.quantization.uniform import dequantize
+
+KERNEL_MAX_ROWS = woq_kernels.KERNEL_MAX_ROWS
+GEMV_MAX_ROWS = woq_kernels.GEMV_MAX_ROWS
+
+
+def kernel_name(layer: QuantLinear) -> str | None:
+    """The kernel the layer holds (packed for the dtype of its last call), None for the torch reference."""
+    return None if layer.kernel is None else layer.kernel.name
+
+
+def amx_ext():
+    """The AMX kernels' C++ module (gemv, gemm), from the op table: None below the amx tier."""
+    return ops.kernel("quantized_linear", "woq_amx")
 
 
 def weight(out_f: int, in_f: int, seed: int = 0) -> torch.Tensor:
@@ -42,20 +55,41 @@ def assert_bf16_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None
 
 
 def assert_close_for_path(layer: QuantLinear, y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    """y = layer(x) against x @ w^T (w float32) within the bound of the path that ran: the AVX2 kernel rounds
-    x to int8 per 32 inputs (its contract, tests/test_woq_avx2.py: relative error < 1.5e-2), every other
-    path is bf16-close (assert_bf16_close)."""
-    if layer.path(x.reshape(-1, x.shape[-1]).shape[0], x.dtype) == "avx2":
+    """y = layer(x) against x @ w^T (w float32) within the bound of the kernel that ran (the layer's, packed
+    by that call for x's dtype): the AVX2 kernel rounds x to int8 per 32 inputs (its contract,
+    tests/test_woq_avx2.py: relative error < 1.5e-2), every other kernel is bf16-close (assert_bf16_close)."""
+    if kernel_name(layer) == "avx2":
         ref = x.float() @ w.T
         assert ((y.float() - ref).norm() / ref.norm()).item() < 1.5e-2
     else:
         assert_bf16_close(y, x, w)
 
 
+def no_reference(x):
+    raise AssertionError("the reference (dequantize + F.linear) ran instead of the kernel")
+
+
+class CallSpy:
+    """Wraps a C++ module; records the names of the functions called through it."""
+
+    def __init__(self, ext):
+        self.ext, self.calls = ext, []
+
+    def __getattr__(self, name):
+        fn = getattr(self.ext, name)
+
+        def called(*args):
+            self.calls.append(name)
+            return fn(*args)
+
+        return called
+
+
 @pytest.fixture
-def torch_backend():
-    """The reference backend for quantized linears (torch's kernels and the dequantize path), on any CPU."""
-    with ops.forced(quantized_linear="torch"):
+def torch_packed():
+    """torch's packed INT4 / INT8 kernels (bf16, up to KERNEL_MAX_ROWS rows; the reference's dequantize
+    path above, and for other dtypes and shapes), on any CPU: they use no C++ of ours."""
+    with ops.forced(quantized_linear="torch-packed"):
         yield
 
 
@@ -64,39 +98,62 @@ SCHEMES = [(4, 32), (4, 64), (4, 128), (8, None)]
 
 @pytest.mark.parametrize("bits,group_size", SCHEMES)
 @pytest.mark.parametrize("rows", [1, 3, 16, 64])
-def test_packed_kernel_equals_dequantize_reference(bits, group_size, rows, torch_backend):
+def test_packed_kernel_equals_dequantize_reference(bits, group_size, rows, torch_packed, monkeypatch):
     w = weight(192, 512)
     layer = QuantLinear.from_quantized(rtn_quantize_weight(w, bits, group_size))
-    layer._pack_torch_kernel("int4" if bits == 4 else "int8")  # also where AMX would take INT8
+    layer.pack()  # torch's kernel, also where AMX or AVX2 would take the layer
+    assert kernel_name(layer) == "torch-packed" and layer.layout
+    assert woq_kernels.TorchPackedKernel.kind(layer) == ("int4" if bits == 4 else "int8")
     x = activations(rows, 512)
     w_hat = layer.dequantize_weight(torch.float32)  # s*q + m exactly
-    assert_bf16_close(layer._kernel_mm(x), x, w_hat)
+    with monkeypatch.context() as m:  # the kernel itself at every row count (INT8 leaves it above 48 rows)
+        m.setitem(KERNEL_MAX_ROWS, woq_kernels.TorchPackedKernel.kind(layer), rows)
+        m.setattr(layer, "forward_native", no_reference)
+        assert not layer.kernel.dequantizes_at(layer, rows)
+        assert_bf16_close(layer.kernel.matmul(layer, x), x, w_hat)
     assert_bf16_close(layer(x), x, w_hat)
+    assert kernel_name(layer) == "torch-packed"
 
 
 @pytest.mark.parametrize("bits,group_size", SCHEMES)
-def test_rows_above_threshold_leave_torchs_kernels(bits, group_size):
+def test_rows_above_threshold_leave_torchs_kernels(bits, group_size, monkeypatch):
+    """The table's kernel (AMX: the gemv kernel for a few rows, its tiles above; AVX2: one kernel for every
+    row count, fp32 and bf16); and torch's packed kernels, forced here on any CPU, hand calls above
+    KERNEL_MAX_ROWS rows to the dequantize path."""
     layer = QuantLinear.from_quantized(rtn_quantize_weight(weight(64, 256), bits, group_size))
     kind = "int4" if bits == 4 else "int8"
-    if layer.avx2_usable() and not layer.amx_usable():  # one kernel for every row count, fp32 and bf16
-        assert {layer.path(r, d) for r in (1, 64, 1000) for d in (torch.bfloat16, torch.float32)} == {"avx2"}
+    backend = ops.backend("quantized_linear")
+    if backend == "avx2":  # one kernel for every row count, fp32 and bf16
+        for dtype in (torch.bfloat16, torch.float32):
+            assert woq_kernels.choose(layer, dtype).name == "avx2"
         layer.pack()
-        assert layer._avx2 and layer._kernel is None and not layer._packed and layer.qweight is None
-        return
-    if layer.amx_usable():  # the AMX layout's gemv kernel for a few rows, its tiles above; no torch kernel
-        assert layer.path(1, torch.bfloat16) == layer.path(amx.GEMV_MAX_ROWS, torch.bfloat16) == "gemv"
-        assert layer.path(amx.GEMV_MAX_ROWS + 1, torch.bfloat16) == "amx"
+        assert kernel_name(layer) == "avx2" and layer.layout and layer.qweight is None
+        assert not any(layer.kernel.dequantizes_at(layer, r) for r in (1, 64, 1000))
+        x = activations(KERNEL_MAX_ROWS[kind] + 1, 256)
+        assert_close_for_path(layer, layer(x), x, layer.dequantize_weight())
+        assert kernel_name(layer) == "avx2"
+    elif backend == "amx":  # the AMX layout's gemv kernel for a few rows, its tiles above; no torch kernel
+        assert woq_kernels.choose(layer, torch.float32).name == "avx2"  # fp32 activations: the AVX2 kernel
         layer.pack()
-        assert layer._kernel is None and not layer._packed
-        return
-    rows = KERNEL_MAX_ROWS[kind] + 1
-    assert layer.path(rows, torch.bfloat16) == "dequantize"
-    x = activations(rows, 256)
-    expected = F.linear(x, layer.dequantize_weight(torch.bfloat16))
-    assert torch.equal(layer(x), expected)
+        assert kernel_name(layer) == "amx" and layer.layout and layer.qweight is None
+        spy = CallSpy(layer.kernel.ext)
+        monkeypatch.setattr(layer.kernel, "ext", spy)
+        for rows, fn in ((1, "gemv"), (GEMV_MAX_ROWS, "gemv"), (GEMV_MAX_ROWS + 1, "gemm"), (1000, "gemm")):
+            spy.calls.clear()
+            layer(activations(rows, 256))
+            assert spy.calls == [fn], (rows, spy.calls)
+    with ops.forced(quantized_linear="torch-packed"):
+        rows = KERNEL_MAX_ROWS[kind] + 1
+        layer.pack()
+        assert kernel_name(layer) == "torch-packed" and layer.qweight is not None
+        assert layer.kernel.dequantizes_at(layer, rows)
+        assert not layer.kernel.dequantizes_at(layer, rows - 1)
+        x = activations(rows, 256)
+        expected = F.linear(x, layer.dequantize_weight(torch.bfloat16))
+        assert torch.equal(layer(x), expected)
 
 
-needs_amx = pytest.mark.skipif(amx.load() is None, reason="no AMX on this CPU (or no compiler)")
+needs_amx = pytest.mark.skipif(amx_ext() is None, reason="no AMX on this CPU (or no compiler)")
 
 
 @needs_amx
@@ -106,9 +163,10 @@ def test_amx_kernel_equals_dequantize_reference(bits, group_size, rows):
     w, b = weight(208, 256), torch.randn(208)  # 13 column tiles of 16: an odd last block of 32
     layer = QuantLinear.from_quantized(rtn_quantize_weight(w, bits, group_size), bias=b)
     layer.pack()
+    assert kernel_name(layer) == "amx"
     x = activations(rows, 256)
-    codes, scales, mins = layer._amx
-    y = amx.load().gemm(x, codes, scales, mins, layer.bias.to(torch.bfloat16), bits, group_size or 256, 208)
+    codes, scales, mins = layer.layout
+    y = amx_ext().gemm(x, codes, scales, mins, layer.bias.to(torch.bfloat16), bits, group_size or 256, 208)
     # the same products as a bf16 GEMM over the dequantized weight (rounded to bf16 once), summed in
     # float32 in another order: equal to that GEMM's float32 result rounded once, but for rare last bits
     w_bf16 = layer.dequantize_weight(torch.bfloat16).float()
@@ -128,11 +186,13 @@ def test_amx_kernel_prefill_strips_equal_row_chunks(bits, rows):
     k = 2048
     layer = QuantLinear.from_quantized(rtn_quantize_weight(weight(208, k), bits, 64), bias=torch.randn(208))
     layer.pack()
-    args = (*layer._amx, layer.bias.to(torch.bfloat16), bits, 64, 208)
+    assert kernel_name(layer) == "amx"
+    args = (*layer.layout, layer.bias.to(torch.bfloat16), bits, 64, 208)
     x = activations(rows, k)
-    whole = amx.load().gemm(x, *args)
-    chunks = torch.cat([amx.load().gemm(x[i : i + 32], *args) for i in range(0, rows, 32)])
+    whole = amx_ext().gemm(x, *args)
+    chunks = torch.cat([amx_ext().gemm(x[i : i + 32], *args) for i in range(0, rows, 32)])
     assert torch.equal(whole, chunks)
+    assert torch.equal(layer(x), whole)  # the layer runs the tiles at this many rows
 
 
 @needs_amx
@@ -142,11 +202,11 @@ def test_gemv_kernel_is_closer_to_the_float32_product_than_the_amx_kernel(bits, 
     w, b = weight(208, 512), torch.randn(208)  # 13 column tiles of 16
     layer = QuantLinear.from_quantized(rtn_quantize_weight(w, bits, group_size), bias=b)
     layer.pack()
-    assert layer.path(rows, torch.bfloat16) == "gemv"
+    assert kernel_name(layer) == "amx" and rows <= GEMV_MAX_ROWS  # the layer runs gemv at this many rows
     x = activations(rows, 512)
     bias = layer.bias.to(torch.bfloat16)
-    args = (*layer._amx, bias, bits, group_size or 512, 208)
-    y, y_amx = amx.load().gemv(x, *args), amx.load().gemm(x, *args)
+    args = (*layer.layout, bias, bits, group_size or 512, 208)
+    y, y_amx = amx_ext().gemv(x, *args), amx_ext().gemm(x, *args)
     assert torch.equal(layer(x), y)
     # scale and min applied per group to exact products of x and the codes, summed in float32: no
     # per-weight bf16 rounding, so at least as close to the float32 product as the AMX path
@@ -161,8 +221,9 @@ def test_gemv_kernel_is_closer_to_the_float32_product_than_the_amx_kernel(bits, 
 def test_gemv_kernel_rejects_more_rows_than_it_takes():
     layer = QuantLinear.from_quantized(rtn_quantize_weight(weight(64, 256), 4, 32))
     layer.pack()
+    assert kernel_name(layer) == "amx" and GEMV_MAX_ROWS == 4
     with pytest.raises(RuntimeError, match="1 to 4 rows"):
-        amx.load().gemv(activations(5, 256), *layer._amx, None, 4, 32, 64)
+        amx_ext().gemv(activations(5, 256), *layer.layout, None, 4, 32, 64)
 
 
 @needs_amx
@@ -172,7 +233,7 @@ def test_amx_kernel_rejects_shapes_it_cannot_tile():
     assert not amx.supports(4, 256, 64, 16)  # group of 16
     assert not amx.supports(3, 256, 64, 32)
     with pytest.raises(RuntimeError, match="multiples of 32"):
-        amx.load().gemm(
+        amx_ext().gemm(
             activations(2, 48),
             *amx.pack_codes(torch.zeros(64, 48, dtype=torch.uint8), torch.ones(64, 3), torch.zeros(64, 3), 4),
             None,
@@ -194,44 +255,57 @@ def test_dequantize_weight_is_the_quantizers_dequantize():
 @pytest.mark.parametrize("bits,group_size", [(3, 32), (8, 32), (6, None)])
 def test_other_widths_run_the_dequantize_path(bits, group_size):
     layer = QuantLinear.from_quantized(rtn_quantize_weight(weight(64, 128), bits, group_size))
-    assert layer.kernel_kind() is None
+    assert woq_kernels.TorchPackedKernel.kind(layer) is None  # no torch kernel: INT4 groups, INT8 per channel
     x = activations(4, 128)
     assert_close_for_path(layer, layer(x), x, layer.dequantize_weight())
-    assert layer.path(4, torch.bfloat16) in (("dequantize",) if bits != 8 else ("dequantize", "avx2", "gemv"))
+    # 8-bit group-wise codes (GGUF Q8_0) are the AMX and AVX2 kernels' too; other widths only the reference's
+    ours = {"amx": "amx", "avx2": "avx2"}.get(ops.backend("quantized_linear"))
+    assert kernel_name(layer) == (ours if bits == 8 else None)
 
 
-def test_fp32_activations_are_exact_and_bias_is_added(torch_backend):
+def test_fp32_activations_are_exact_and_bias_is_added(torch_packed):
     w, b = weight(32, 64), torch.randn(32)
     layer = QuantLinear.from_quantized(rtn_quantize_weight(w, 4, 32), bias=b)
     x = torch.randn(5, 2, 64)
     ref = F.linear(x, layer.dequantize_weight(), b)
     torch.testing.assert_close(layer(x), ref, rtol=1e-6, atol=1e-6)
+    assert kernel_name(layer) is None  # torch's kernels take bf16 only: fp32 runs the reference
     xb = x.to(torch.bfloat16)
     assert_bf16_close(layer(xb).reshape(10, 32) - b, xb.reshape(10, 64), layer.dequantize_weight())
+    assert kernel_name(layer) == "torch-packed"  # the INT4 kernel, its bias added
 
 
-def test_weight_bytes():
+@pytest.mark.parametrize("backend", ["table", "torch-packed", "torch"])
+def test_weight_bytes(backend):
+    """The table's kernel (amx, avx2 or torch-packed), torch's packed kernels (forced, on any CPU) and the
+    reference: resident bytes are the stored form plus the kernel's layout, less what it releases."""
     w = weight(128, 256)
-    int8 = QuantLinear.from_quantized(rtn_quantize_weight(w, 8, None))
-    has_amx, has_avx2 = int8.amx_usable(), int8.avx2_usable()
-    int8.pack()
-    int4 = QuantLinear.from_quantized(rtn_quantize_weight(w, 4, 32))
-    stored = 128 * 128 + 2 * 128 * 8 * 4
-    assert int4.weight_bytes() == stored
-    if has_avx2 and not has_amx:  # the AVX2 layout instead of the stored form: codes + fp32 scales/mins
-        assert int8.qweight is None and int8.weight_bytes() == 128 * 256 + 128 * (4 + 4)
-        int4.pack()
-        assert int4.qweight is None and int4.weight_bytes() == stored
-        return
-    if has_amx:  # the AMX layout instead of the stored form: the same bytes in another order
-        assert int8.weight_bytes() == 128 * 256 + 128 * (4 + 4)
-    else:  # int8 codes once (the kernel reads them in place) + fp32 scale/min + bf16 unit scales + fp32 correction
-        assert int8.weight_bytes() == 128 * 256 + 128 * (4 + 4 + 2 + 4)
-    int4.pack()
-    if has_amx:  # its layout holds the stored form in another order, which is then released
+    if backend == "table":
+        backend = ops.backend("quantized_linear")
+    with ops.forced(quantized_linear=backend):
+        int8 = QuantLinear.from_quantized(rtn_quantize_weight(w, 8, None))
+        int8.pack()
+        int4 = QuantLinear.from_quantized(rtn_quantize_weight(w, 4, 32))
+        stored = 128 * 128 + 2 * 128 * 8 * 4
         assert int4.weight_bytes() == stored
-    else:  # + the INT4 kernel's own nibble layout and bf16 (scale, zero) pairs
-        assert int4.weight_bytes() == stored + 128 * 128 + 8 * 128 * 2 * 2
+        int4.pack()
+        expected = None if backend == "torch" else backend  # both shapes are every kernel's
+        assert kernel_name(int8) == kernel_name(int4) == expected
+        if backend in ("amx", "avx2"):
+            # the kernel's layout instead of the stored form: the same bytes in another order (codes + fp32
+            # scales / mins; 8 columns a panel for AVX2, 16 for AMX: 128 needs no padding)
+            assert int8.qweight is None and int8.weight_bytes() == 128 * 256 + 128 * (4 + 4)
+            assert int4.qweight is None and int4.weight_bytes() == stored
+        elif backend == "torch-packed":
+            # int8 codes once (the kernel reads them in place) + fp32 scale/min + bf16 unit scales + fp32
+            # correction; int4: + the INT4 kernel's own nibble layout and bf16 (scale, zero) pairs
+            assert int8.qweight is not None and int4.qweight is not None
+            assert int8.weight_bytes() == 128 * 256 + 128 * (4 + 4 + 2 + 4)
+            assert int4.weight_bytes() == stored + 128 * 128 + 8 * 128 * 2 * 2
+        else:  # the reference keeps the stored form only
+            assert int8.layout == int4.layout == ()
+            assert int8.weight_bytes() == 128 * 256 + 128 * (4 + 4)
+            assert int4.weight_bytes() == stored
 
 
 def test_bad_bits_and_group_size_raise_input_error():
@@ -267,19 +341,22 @@ def test_gguf_blocks_dequantize_bit_exactly(type_name):
 
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
 @pytest.mark.parametrize("rows", [1, 8, 100])
-def test_gguf_layer_output_equals_dequantized_layer(type_name, rows):
+@pytest.mark.parametrize("backend", ["table", "torch-packed"])
+def test_gguf_layer_output_equals_dequantized_layer(type_name, rows, backend):
+    """On the table's kernel, and on torch's (forced: they run on any CPU)."""
+    if backend == "table":
+        backend = ops.backend("quantized_linear")
     raw, ref = gguf_blocks(type_name)
     codes, scales, mins, bits = decode_blocks(type_name, raw, ref.shape)
-    layer = QuantLinear.from_codes(codes, scales, mins, bits, 32)
-    layer.pack()
-    if layer.amx_usable():
-        assert layer._amx and layer._kernel is None
-    elif layer.avx2_usable():
-        assert layer._avx2 and layer._kernel is None
-    else:
-        assert layer._kernel == ("int4" if bits == 4 else None)  # Q8_0: per-block scales, no INT8 kernel
-    x = activations(rows, 128)
-    assert_close_for_path(layer, layer(x), x, torch.from_numpy(ref))
+    with ops.forced(quantized_linear=backend):
+        layer = QuantLinear.from_codes(codes, scales, mins, bits, 32)
+        layer.pack()
+        if backend in ("amx", "avx2"):  # the layout holds the blocks: the stored form is released
+            assert kernel_name(layer) == backend and layer.layout and layer.qweight is None
+        else:  # Q8_0: per-block scales, no INT8 kernel (the reference runs)
+            assert kernel_name(layer) == ("torch-packed" if bits == 4 else None)
+        x = activations(rows, 128)
+        assert_close_for_path(layer, layer(x), x, torch.from_numpy(ref))
 
 
 @needs_amx
@@ -288,18 +365,21 @@ def test_gguf_scales_and_mins_are_held_in_float16_with_the_same_results(type_nam
     raw, ref = gguf_blocks(type_name)
     layer = QuantLinear.from_codes(*decode_blocks(type_name, raw, ref.shape), 32)
     layer.pack()
-    codes, scales, mins = layer._amx
+    assert kernel_name(layer) == "amx"
+    codes, scales, mins = layer.layout
     assert scales.dtype == mins.dtype == torch.float16  # GGUF's block scales are float16 values
     assert torch.equal(layer.dequantize_weight(torch.float32), torch.from_numpy(ref))
     wide = (codes, scales.float(), mins.float())  # the same values in float32
     for rows in (1, 3, 20):
         x = activations(rows, 128)
-        kernel = amx.load().gemv if rows <= amx.GEMV_MAX_ROWS else amx.load().gemm
+        kernel = amx_ext().gemv if rows <= GEMV_MAX_ROWS else amx_ext().gemm
         args = (layer.bits, 32, 64)
-        assert torch.equal(kernel(x, *layer._amx, None, *args), kernel(x, *wide, None, *args))
+        assert torch.equal(kernel(x, *layer.layout, None, *args), kernel(x, *wide, None, *args))
+        assert torch.equal(layer(x), kernel(x, *wide, None, *args))
     rtn = QuantLinear.from_quantized(rtn_quantize_weight(weight(64, 128), 4, 32))
     rtn.pack()
-    assert rtn._amx[1].dtype == torch.float32  # computed scales: float16 would round them
+    assert kernel_name(rtn) == "amx"
+    assert rtn.layout[1].dtype == torch.float32  # computed scales: float16 would round them
 
 
 def test_gguf_q_k_rows_are_unpermuted():
@@ -320,37 +400,61 @@ def test_gguf_q_k_rows_are_unpermuted():
     assert not np.array_equal(unpermute_qk(ref, 2), ref)  # the permutation is not the identity
 
 
-@needs_amx
+@pytest.mark.parametrize("kernel", ["amx", "avx2"])
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (4, None), (8, 32)])
-def test_released_layer_rebuilds_its_stored_form_from_the_amx_layout(bits, group_size):
+def test_released_layer_rebuilds_its_stored_form_from_the_kernels_layout(bits, group_size, kernel):
+    if ops.kernel("quantized_linear", f"woq_{kernel}") is None:
+        pytest.skip(f"no {kernel} kernel on this CPU (or no compiler)")
     w, b = weight(96, 128), torch.randn(96)
     layer = QuantLinear.from_quantized(rtn_quantize_weight(w, bits, group_size), bias=b)
     codes, (scales, mins) = layer.codes(), layer.scales_and_mins()
     dequantized = layer.dequantize_weight()
     x = activations(7, 128)
     before = layer.weight_bytes()
-    layer.pack()  # builds the AMX layout, then releases the stored form it repeats
-    assert layer.qweight is None and layer.scales is None
-    assert torch.equal(layer.codes(), codes)
-    assert all(map(torch.equal, layer.scales_and_mins(), (scales, mins)))
-    assert torch.equal(layer.dequantize_weight(), dequantized)
-    expected = F.linear(x, dequantized.to(torch.bfloat16), b.to(torch.bfloat16))
-    torch.testing.assert_close(layer(x).float(), expected.float(), rtol=2**-7, atol=1e-3)
-    packed = sum(t.numel() * t.element_size() for t in (*layer._amx, *layer._packed))
-    assert layer.weight_bytes() == before + packed - (codes.numel() * bits // 8 + 2 * scales.numel() * 4)
+    with ops.forced(quantized_linear=kernel):  # the AVX2 kernel takes bf16 too (forced at the amx tier)
+        layer.pack()  # builds the kernel's layout, then releases the stored form it repeats
+        assert kernel_name(layer) == kernel and layer.kernel.holds_weight
+        assert layer.qweight is None and layer.scales is None and layer.mins is None
+        assert torch.equal(layer.codes(), codes)
+        assert all(map(torch.equal, layer.scales_and_mins(), (scales, mins)))
+        assert torch.equal(layer.dequantize_weight(), dequantized)
+        y = layer(x)
+        assert kernel_name(layer) == kernel
+        if kernel == "amx":
+            expected = F.linear(x, dequantized.to(torch.bfloat16), b.to(torch.bfloat16))
+            torch.testing.assert_close(y.float(), expected.float(), rtol=2**-7, atol=1e-3)
+        else:  # x rounded to int8 per 32 inputs (tests/test_woq_avx2.py)
+            ref = x.float() @ dequantized.T + b
+            assert ((y.float() - ref).norm() / ref.norm()).item() < 1.5e-2
+        packed = sum(t.numel() * t.element_size() for t in layer.layout)
+        assert layer.weight_bytes() == before + packed - (codes.numel() * bits // 8 + 2 * scales.numel() * 4)
+    with ops.forced(quantized_linear="torch"):  # another backend: the stored form comes back from the layout
+        assert torch.equal(layer(x), F.linear(x, dequantized.to(torch.bfloat16), b.to(torch.bfloat16)))
+        assert kernel_name(layer) is None and layer.layout == () and layer.weight_bytes() == before
+        assert torch.equal(layer.codes(), codes)
+        assert all(map(torch.equal, layer.scales_and_mins(), (scales, mins)))
 
 
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (8, None)])
-def test_without_amx_torchs_kernels_and_the_dequantize_path_serve(monkeypatch, bits, group_size):
-    """CPUs without AMX (or no compiler): torch's kernels up to KERNEL_MAX_ROWS, then dequantize."""
-    monkeypatch.setattr(amx, "load", lambda: None)
-    monkeypatch.setattr(ops, "_forced", {"quantized_linear": "torch"})  # nor the AVX2 kernel
-    layer = QuantLinear.from_quantized(rtn_quantize_weight(weight(64, 256), bits, group_size))
-    kind = "int4" if bits == 4 else "int8"
-    layer.pack()
-    assert layer._kernel == kind and not layer._amx and layer.qweight is not None  # nothing released
-    for rows, path in ((1, kind), (KERNEL_MAX_ROWS[kind], kind), (KERNEL_MAX_ROWS[kind] + 1, "dequantize")):
-        assert layer.path(rows, torch.bfloat16) == path
-        x = activations(rows, 256)
-        assert_bf16_close(layer(x), x, layer.dequantize_weight())
-    assert layer.path(1, torch.float32) == "dequantize"
+def test_without_our_kernels_torchs_kernels_and_the_dequantize_path_serve(monkeypatch, bits, group_size):
+    """CPUs where no C++ kernel of ours loads (backend "torch-packed", forced here: neither the AMX nor the
+    AVX2 kernel): torch's kernels up to KERNEL_MAX_ROWS, then dequantize."""
+    with ops.forced(quantized_linear="torch-packed"):
+        assert ops.kernel("quantized_linear", "woq_amx") is None
+        assert ops.kernel("quantized_linear", "woq_avx2") is None
+        layer = QuantLinear.from_quantized(rtn_quantize_weight(weight(64, 256), bits, group_size))
+        kind = "int4" if bits == 4 else "int8"
+        layer.pack()
+        assert kernel_name(layer) == "torch-packed" and woq_kernels.TorchPackedKernel.kind(layer) == kind
+        assert layer.layout and layer.qweight is not None  # nothing released
+        top = KERNEL_MAX_ROWS[kind]
+        for rows, dequantizes in ((1, False), (top, False), (top + 1, True)):
+            assert layer.kernel.dequantizes_at(layer, rows) == dequantizes
+            x = activations(rows, 256)
+            with monkeypatch.context() as m:
+                if not dequantizes:  # the kernel itself, not the reference
+                    m.setattr(layer, "forward_native", no_reference)
+                assert_bf16_close(layer(x), x, layer.dequantize_weight())
+            assert kernel_name(layer) == "torch-packed"
+        layer(torch.randn(1, 256))
+        assert kernel_name(layer) is None  # fp32 activations: the reference

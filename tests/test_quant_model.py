@@ -51,21 +51,25 @@ def test_gguf_native_serves_every_decoder_linear_from_int4_blocks(gguf_native, g
     layers = [m for m in quant_layers(gguf_native) if m.name != "lm_head"]
     assert len(layers) == 7 * cfg.num_layers
     assert all(m.bits == 4 and m.group_size == 32 for m in layers)
-    backend = ops.backend("quantized_linear")  # amx, avx2, or torch's kernels
-    layout = {"amx": lambda m: bool(m._amx), "avx2": lambda m: bool(m._avx2)}
-    assert all(layout.get(backend, lambda m: m._kernel == "int4")(m) for m in layers)
+    backend = ops.backend("quantized_linear")  # amx, avx2, or torch's kernels ("torch-packed")
+    assert backend in ("amx", "avx2", "torch-packed")
+    # every one packed at load for bf16 activations on the backend's own kernel (Q4_1 is torch's INT4 one's too)
+    assert all(m.kernel is not None and m.kernel.name == backend and m.layout for m in layers)
+    # the AMX and AVX2 layouts hold the blocks themselves: the stored copy is released
+    assert all((m.qweight is None) == (backend != "torch-packed") for m in layers)
     head = gguf_native.lm_head
-    if backend == "torch":  # tied to the (Q8_0, dequantized) embedding
+    if backend == "torch-packed":  # tied to the (Q8_0, dequantized) embedding: no torch kernel takes Q8_0
         assert isinstance(head, torch.nn.Linear)
     else:  # the Q8_0 token_embd blocks themselves, which the kernel multiplies with
         assert isinstance(head, QuantLinear) and (head.bits, head.group_size) == (8, 32)
+        assert head.kernel is not None and head.kernel.name == backend
         embedding = gguf_native.model.embed_tokens.weight
         assert torch.equal(head.dequantize_weight(embedding.dtype), embedding)
     # per decoder weight: 0.5 B codes + 0.125 B fp16 scales/mins in the AMX layout (without AMX: the stored
     # form with fp32 scales/mins and torch's INT4 layout, 0.75 B more), where bf16 holds 2 B; the embedding
     # stays bf16 in both (and the Q8_0 lm_head adds 1.125 B a weight here, where the engine's bf16 model
     # adds its 2 B prepacked lm_head copy). Measured with AMX: 147.7 MiB against 256.6.
-    ratio = 0.6 if backend != "torch" else 0.9
+    ratio = 0.6 if backend != "torch-packed" else 0.9
     assert resident_weight_bytes(gguf_native) < ratio * resident_weight_bytes(gguf_dequantized)
 
 
@@ -137,9 +141,15 @@ def test_rtn_model_equals_fake_quantized_float_model(quantization, which, tiny_l
     # fp32 activations on the reference backend (the dequantize path): the same function up to float32
     # rounding; on the AVX2 kernel, within its int8-activation bound (tests/test_woq_avx2.py)
     with ops.forced(quantized_linear="torch"):
-        got32 = paged_prefill_logits(build_model(path, torch.float32, quantization, show_progress=False)[0], ids)
+        model32 = build_model(path, torch.float32, quantization, show_progress=False)[0]
+        got32 = paged_prefill_logits(model32, ids)
+    assert all(m.kernel is None for m in quant_layers(model32))  # the reference ran
     torch.testing.assert_close(got32, exact, rtol=1e-4, atol=1e-4)
-    kernel32 = paged_prefill_logits(build_model(path, torch.float32, quantization, show_progress=False)[0], ids)
+    model32 = build_model(path, torch.float32, quantization, show_progress=False)[0]
+    kernel32 = paged_prefill_logits(model32, ids)
+    # fp32 activations: the AVX2 kernel where the table has it (amx or avx2), else the reference
+    fp32_kernel = "avx2" if ops.backend("quantized_linear") in ("amx", "avx2") else None
+    assert all((m.kernel and m.kernel.name) == fp32_kernel for m in quant_layers(model32))
     assert ((kernel32 - exact).norm() / exact.norm()).item() < 3e-2
 
 

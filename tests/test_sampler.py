@@ -5,12 +5,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 
+from pagedllm import ops
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.sampler import (
     SamplingBatch,
     apply_penalties,
     apply_top_k_top_p,
-    argmax_kernel,
     greedy,
     is_plain_greedy,
     sample,
@@ -43,7 +43,8 @@ def test_greedy_is_argmax_and_skips_extras():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("vocab", [1, 15, 16, 17, 33, 100, 49152, 49153])
 def test_argmax_kernel_breaks_ties_and_nans_as_torch_max(dtype, vocab):
-    assert argmax_kernel() is not None, "the C++ greedy kernel did not build"
+    kernel = ops.kernel("argmax")
+    assert kernel is not None, "the C++ greedy kernel did not build"
     gen = torch.Generator().manual_seed(vocab)
     x = torch.randint(-3, 3, (12, vocab), generator=gen).to(dtype)  # small integers: many ties
     x[1] = float("-inf")
@@ -55,7 +56,7 @@ def test_argmax_kernel_breaks_ties_and_nans_as_torch_max(dtype, vocab):
     x[7] = 0.0
     x[7, -1] = -0.0  # equal to 0.0: the first index
     expected = x.max(dim=-1).indices
-    assert torch.equal(argmax_kernel().argmax_rows(x), expected)
+    assert torch.equal(kernel.argmax_rows(x), expected)
     assert torch.equal(greedy(x), expected)
 
 

@@ -3,7 +3,8 @@
 Two references per case: the float32 product x @ (s q + m)^T (+ bias), which the kernel must match within
 the error of rounding x to int8 per 32-block (< 1.5e-2 relative Frobenius for random normal x), and that
 same product on x rounded exactly as the kernel rounds it (per 32-block, scale max|x| / 127, round half to
-even), which it must match to float32 summation order (< 1e-5). Skipped where avx2.load() is None.
+even), which it must match to float32 summation order (< 1e-5). Skipped where the op table has no AVX2 kernel
+(ops.kernel("quantized_linear", "woq_avx2") is None: below the avx2 tier, or no compiler).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedllm import ops
 from pagedllm.quantization import avx2
 
 # vs the float32 reference: rounding x to int8 per 32-block. Typically 3e-3 to 7e-3 (the default model's real
@@ -31,7 +33,7 @@ def seeded_rng():
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
-    ext = avx2.load()
+    ext = ops.kernel("quantized_linear", "woq_avx2")
     if ext is None:
         pytest.skip("the AVX2 kernel is not available here (CPU below the avx2 tier, or no compiler)")
     return ext
@@ -171,7 +173,7 @@ def test_outliers(bits):
     assert rel(y, ref) < INT8_BOUND
 
 
-def test_bad_inputs_raise_clearly():
+def test_bad_inputs_raise_clearly(kernel):
     codes, scales, mins = layer(16, 64, 4, 32, True)
     layout = avx2.pack(codes, scales, mins, 4)
     with pytest.raises(TypeError, match="float32 or bfloat16"):
@@ -192,7 +194,10 @@ def test_bad_inputs_raise_clearly():
         avx2.pack(codes, scales, mins, 3)
     # the C++ entry point guards direct use too
     with pytest.raises(RuntimeError, match="woq_avx2"):
-        avx2.load().matmul(torch.randn(2, 96), *layout, None, 4, 32, 16)
+        kernel.matmul(torch.randn(2, 96), *layout, None, 4, 32, 16)
+    # forced to the reference, the op table hands out no kernel: a clear error, not a C++ call
+    with ops.forced(quantized_linear="torch"), pytest.raises(RuntimeError, match="no AVX2 kernel"):
+        avx2.matmul(torch.randn(2, 64), layout, None, 4, 32, 16)
 
 
 def test_supports():

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention import cpu_kernel
+from pagedllm import ops
 from pagedllm.attention.kv_quant import QuantizedKVCache
 from pagedllm.attention.metadata import AttentionMetadata
 
@@ -26,7 +26,7 @@ def write_kv(kv_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
     if isinstance(kv_cache, QuantizedKVCache):
         kv_cache.write(k, v, slot_mapping)
         return
-    kernel = cpu_kernel.load() if kv_cache.device.type == "cpu" and k.dtype == kv_cache.dtype else None
+    kernel = ops.kernel("write_kv") if kv_cache.device.type == "cpu" and k.dtype == kv_cache.dtype else None
     if kernel is not None:
         kernel.write_kv(k, v, kv_cache, slot_mapping)
         return
@@ -76,6 +76,7 @@ def paged_attention(
     if nd:
         out[:nd] = _decode(q[:nd], kv_cache, meta, scale, window, softcap)
     bs = meta.block_size
+    eager = softcap is not None or ops.backend("attention_prefill") == ops.REFERENCE
     for i in range(nd, meta.num_seqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         n, ctx = end - start, meta.seq_lens[i]
@@ -85,7 +86,7 @@ def paged_attention(
             first = meta.window_start(i, window)
             ks, vs = context_kv(kv_cache, meta.block_tables[i], ctx, bs, q.dtype, first)
         mask = meta.prefix_mask(i, q.dtype, window)
-        if softcap is not None:
+        if eager:  # soft-capped scores have no SDPA hook; the eager formula is also the reference
             out[start:end] = _attend(q[start:end], ks, vs, mask, scale, softcap)
         else:
             out[start:end] = _prefill_one(q[start:end], ks, vs, mask, scale)
@@ -110,10 +111,10 @@ def _attend(
     v: torch.Tensor,
     mask: torch.Tensor | None,  # [n, m] additive, or [B, 1, n, m] with q [B, n, H, hd]; None = causal
     scale: float,
-    softcap: float,
+    softcap: float | None,
 ) -> torch.Tensor:
-    """Attention with soft-capped scores, as transformers' eager attention computes it: scores in the
-    inputs' dtype, the cap, the mask, a float32 softmax cast back, then the weighted sum."""
+    """Attention as transformers' eager attention computes it: scores in the inputs' dtype, the soft cap
+    (if any), the mask, a float32 softmax cast back, then the weighted sum. attention_prefill's reference."""
     batched = q.dim() == 4
     if not batched:
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
@@ -122,7 +123,8 @@ def _attend(
     kh = k.transpose(1, 2).repeat_interleave(group, dim=1)
     vh = v.transpose(1, 2).repeat_interleave(group, dim=1)
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         n, m = scores.shape[-2:]
         mask = torch.zeros(n, m, dtype=scores.dtype).masked_fill_(
@@ -143,7 +145,7 @@ def _decode(
 ) -> torch.Tensor:
     nd = q.shape[0]
     plain = isinstance(kv_cache, torch.Tensor) and kv_cache.dtype == q.dtype
-    kernel = cpu_kernel.load() if plain and q.device.type == "cpu" else None
+    kernel = ops.kernel("attention_decode") if plain and q.device.type == "cpu" else None
     if kernel is not None:  # reads K/V in place through the block tables: no gathered copy
         return kernel.paged_decode(
             q, kv_cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd], scale, window or 0, softcap or 0.0

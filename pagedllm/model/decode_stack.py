@@ -9,6 +9,9 @@ equal the Python path's bit for bit. It runs the steps that are all decodes (any
 prefill of one prompt with nothing cached before it (a request's first token); built by fuse.py when
 every decoder linear qualifies. Everything else (mixed or chunked steps, several prefills, a quantized
 KV cache) takes the model's layer loop.
+
+Whether a model can take the stack is decided once, with the model, at build: `supports(model)` gives the
+reason it cannot (then the layer loop runs, and `pagedllm env --model M` prints that reason), or None.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm import kernels
+from pagedllm import ops
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.model.layers.packed_linear import PackedLinear
 from pagedllm.quantization.linear import QuantLinear
@@ -27,38 +30,31 @@ SOURCE = Path(__file__).parent / "csrc" / "decode_stack.cpp"
 logger = logging.getLogger("pagedllm")
 
 
-def load():
-    # built for this process's tier from avx2 up: the amx tier's build also takes AMX-layout linears
-    # (woq_amx.h; ext.amx is True), the others AVX2-layout and prepacked ones; below avx2 the model's
-    # per-op path runs
-    return kernels.load("decode_stack")
-
-
 # csrc/decode_stack.cpp's LinearKind
 _PACKED, _AMX, _AVX2 = 0, 1, 2
 
 
-def _linear_parts(layer, dtype: torch.dtype, amx_build: bool) -> tuple[list[torch.Tensor], list[int]] | None:
-    """What the C++ Linear holds (csrc/decode_stack.cpp) for the kernel the layer itself picks for `dtype`
-    activations: (kind, bits, group_size, out_features) and four tensors, or None where the stack cannot
-    make that call."""
+def _linear_parts(layer, dtype: torch.dtype, amx_build: bool) -> tuple[list[torch.Tensor], list[int]] | str:
+    """What the C++ Linear holds (csrc/decode_stack.cpp) for the kernel the layer itself runs for `dtype`
+    activations: four tensors and (kind, bits, group_size, out_features); or why the stack cannot make
+    that call."""
     empty = torch.empty(0)
     if isinstance(layer, PackedLinear):
         if dtype != torch.bfloat16:
-            return None
+            return f"a prepacked linear under {dtype} activations"
         bias = layer.bias if layer.bias is not None else empty
         return [layer.packed_weight, empty, empty, bias], [_PACKED, 0, 0, layer.out_features]
     if not isinstance(layer, QuantLinear):
-        return None
-    group = layer.group_size or layer.in_features
-    if dtype == torch.bfloat16 and layer._amx and amx_build:
+        return f"a {type(layer).__name__} (the stack calls quantized or prepacked bf16 linears)"
+    layer.pack(dtype)  # the kernel this layer runs (idempotent: fuse.py packed it already)
+    kernel = layer.kernel.name if layer.kernel is not None else "the torch reference"
+    if kernel == "amx" and amx_build:
         bias = layer.bias.to(torch.bfloat16) if layer.bias is not None else empty  # as forward() rounds it
-        return [*layer._amx, bias], [_AMX, layer.bits, group, layer.out_features]
-    # the AVX2 kernel serves every row count, so one row's path is every step's
-    if layer._avx2 and layer.path(1, dtype) == "avx2":
+        return [*layer.layout, bias], [_AMX, layer.bits, layer.group, layer.out_features]
+    if kernel == "avx2":  # the AVX2 kernel serves every row count, so one row's kernel is every step's
         bias = layer.bias.float() if layer.bias is not None else empty  # as woq_avx2.cpp takes it
-        return [*layer._avx2, bias], [_AVX2, layer.bits, group, layer.out_features]
-    return None
+        return [*layer.layout, bias], [_AVX2, layer.bits, layer.group, layer.out_features]
+    return f"a {layer.bits}-bit linear on {kernel} (the stack calls the amx and avx2 kernels' layouts)"
 
 
 # What csrc/decode_stack.cpp computes, and nothing else: RMSNorm -> fused qkv (a bias allowed) -> rotate-half
@@ -92,39 +88,76 @@ def unsupported_reason(model) -> str | None:
             module = layer.get_submodule(path) if path else layer
             extra = {name for name, child in module.named_children() if child is not None} - allowed
             if extra:
-                return f"layer {i} {path or 'block'} has {', '.join(sorted(extra))}, which the fused stack lacks"
+                return (
+                    f"layer {i} {path or 'block'} has {', '.join(sorted(extra))}, which the fused stack lacks"
+                )
     return None
 
 
-def build_decode_stack(model):
-    """The C++ stack over `model`'s decoder layers, or None where it does not apply: a model feature it
-    does not implement (unsupported_reason), a linear whose kernel it cannot call (an unquantized float32
-    one, a layout other than the AMX one (amx tier, bf16), the AVX2 one (float32 or bf16) or prepacked
-    bf16), activations other than float32 / bf16, or no compiler (or a CPU below avx2)."""
+# the per-call ops the stack makes itself: forcing any of them to its reference sends steps to the layer loop
+STACK_OPS = (
+    "decoder_stack",
+    "layer_ops",
+    "attention_decode",
+    "write_kv",
+    "attention_prefill",
+    "quantized_linear",
+)
+
+
+def _parts(model) -> tuple[list[torch.Tensor], list[int]] | str:
+    """Every decoder layer's norms and linears as the C++ stack takes them, or why it cannot."""
+    ext = ops.kernel("decoder_stack")
+    if ext is None:
+        return (
+            f"no fused decoder stack on this machine (op table: decoder_stack={ops.backend('decoder_stack')})"
+        )
     dtype = model.model.embed_tokens.weight.dtype
-    ext = load()
-    if dtype not in (torch.float32, torch.bfloat16) or ext is None:
-        return None
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"{dtype} activations (the stack takes float32 and bf16)"
     reason = unsupported_reason(model)
     if reason is not None:
-        logger.info("decoder_stack: the per-op layer loop runs (%s)", reason)
-        return None
+        return reason
     tensors: list[torch.Tensor] = []
     shapes: list[int] = []
-    for layer in model.model.layers:
+    for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if any(w.dtype != dtype for w in norms):
-            return None
+            return f"layer {i} has norm weights of another dtype than its {dtype} activations"
         tensors += [w.detach() for w in norms]
-        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        for name, linear in (
+            ("qkv_proj", attn.qkv_proj),
+            ("o_proj", attn.o_proj),
+            ("gate_up_proj", mlp.gate_up_proj),
+            ("down_proj", mlp.down_proj),
+        ):
             parts = _linear_parts(linear, dtype, ext.amx)
-            if parts is None:
-                return None
+            if isinstance(parts, str):
+                return f"layer {i} {name} is {parts}"
             tensors += parts[0]
             shapes += parts[1]
+    return tensors, shapes
+
+
+def supports(model) -> str | None:
+    """None where the fused stack computes this model's decoder layers on this machine, else why not
+    (then the model's layer loop runs). Asked once, at build (fuse.py), and by `pagedllm env --model`."""
+    parts = _parts(model)
+    return parts if isinstance(parts, str) else None
+
+
+def build_decode_stack(model):
+    """The C++ stack over `model`'s decoder layers, or None where it does not apply (`supports` says why,
+    logged once)."""
+    parts = _parts(model)
+    if isinstance(parts, str):
+        logger.info("decoder_stack: the model's layer loop runs (%s)", parts)
+        return None
+    tensors, shapes = parts
     attn = model.model.layers[0].self_attn
     eps = model.model.layers[0].input_layernorm.eps
+    ext = ops.kernel("decoder_stack")
     return ext.DecodeStack(tensors, shapes, attn.num_heads, attn.num_kv_heads, attn.head_dim, eps, attn.scale)
 
 
@@ -135,9 +168,10 @@ def is_fresh_prefill(meta: AttentionMetadata) -> bool:
 
 def applies(meta: AttentionMetadata, x: torch.Tensor, kv_caches: list) -> bool:
     """Whether the stack runs this step: decodes only, or one fresh prefill, over a plain (unquantized)
-    cache."""
+    cache, and none of the ops it makes forced to another backend (ops.forced: the reference must run)."""
     return (
         x.shape[0] > 0
+        and not ops.any_forced(STACK_OPS)
         and (meta.num_decodes == meta.num_seqs or is_fresh_prefill(meta))
         and isinstance(kv_caches[0], torch.Tensor)
         and kv_caches[0].dtype == x.dtype

@@ -3,29 +3,15 @@ scale and min per group, dequantized once per call in 1 KB tiles instead of once
 1-4 rows, AVX512-BF16 dot products on the codes themselves, with the scale and min applied per group
 (`gemv`, on the same layout).
 
-`load()` returns None without a compiler, on CPUs without AMX-BF16 (or when the OS refuses the tile
-state), and with PAGEDLLM_NO_CPU_KERNEL=1; QuantLinear then keeps torch's kernels.
+This module is the layout's arithmetic; the compiled kernel comes from the op table (ops.py: None without a
+compiler, on CPUs without AMX-BF16 or when the OS refuses the tile state) and runs in woq_kernels.py.
+The kernel compiles without floating-point contraction: w = s*q + m rounds twice in float32, as
+QuantLinear.dequantize_weight() does.
 """
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
-
-from pagedllm import kernels
-
-GEMV_MAX_ROWS = 4  # rows the AVX512-BF16 dot-product kernel (gemv) takes; the AMX tiles above
-
-
-@cache
-def load():
-    # woq_amx.h compiles its code without floating-point contraction: w = s*q + m must round twice in
-    # float32, as dequantize_weight() does. Built for the amx tier only (its flags name the AMX units).
-    ext = kernels.load("woq_amx")
-    if ext is None or not ext.available():
-        return None
-    return ext
 
 
 def supports(bits: int, in_features: int, out_features: int, group_size: int | None) -> bool:

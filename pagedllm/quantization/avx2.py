@@ -19,8 +19,9 @@ Above ~32 rows MKL's float32 GEMM runs near its peak while VPMADDUBSW (no VNNI o
 32 products plus the scale and min per 32-block (csrc/woq_avx2.h: ~135 GFLOP/s a core for Q4_1 shapes,
 ~100 for Q8_0, against MKL's ~70-80).
 
-`load()` returns None below the avx2 tier, without a compiler, or with PAGEDLLM_NO_CPU_KERNEL=1; callers
-then keep the dequantize + F.linear path.
+The compiled module comes from the op table (ops.kernel("quantized_linear", "woq_avx2")): None below the
+avx2 tier, without a compiler, or with PAGEDLLM_NO_CPU_KERNEL=1; QuantLinear then runs another kernel
+(woq_kernels.py) or the reference.
 """
 
 from __future__ import annotations
@@ -29,18 +30,12 @@ from pathlib import Path
 
 import torch
 
-from pagedllm import kernels
+from pagedllm import ops
 from pagedllm.quantization.amx import exact_in_float16
 
 SOURCE = Path(__file__).parent / "csrc" / "woq_avx2.cpp"
 COLS = 8  # output columns a panel (N is padded to a multiple)
 BLOCK = 32  # inputs an activation block; K and every group size are multiples
-
-
-def load():
-    """The compiled module, or None where this CPU's tier is below avx2 or it cannot be built: kernels.py's
-    one entry for it, so the op table, `pagedllm env` and this layer share one build and one load."""
-    return kernels.load("woq_avx2")
 
 
 def supports(bits: int, in_features: int, out_features: int, group_size: int | None) -> bool:
@@ -121,9 +116,9 @@ def matmul(
     out_features: int,
 ) -> torch.Tensor:
     """x [M, K] float32 or bf16 (contiguous, M >= 1) @ W^T (+ bias float32 [N]) -> [M, N] in x's dtype."""
-    ext = load()
+    ext = ops.kernel("quantized_linear", "woq_avx2")
     if ext is None:
-        raise RuntimeError("avx2.matmul: the AVX2 kernel is not available here (avx2.load() is None)")
+        raise RuntimeError("avx2.matmul: the op table has no AVX2 kernel here (or it is forced to torch)")
     codes, s, m = layout
     k = codes.shape[1] * BLOCK
     if x.dtype not in (torch.float32, torch.bfloat16):

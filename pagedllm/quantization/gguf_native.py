@@ -107,8 +107,8 @@ def serve_gguf_natively(
     if entry is not None and entry[0] in NATIVE_TYPES:
         type_name, raw, shape = entry
         head = gguf_quant_linear("lm_head", type_name, raw, shape, config)
-        if head.path(32, dtype) != "dequantize":
-            head.pack(dtype)
+        head.pack(dtype)
+        if head.kernel is not None and not head.kernel.dequantizes_at(head, 32):
             model.lm_head = head
             replaced.append("lm_head")
     return replaced

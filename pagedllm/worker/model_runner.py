@@ -18,7 +18,7 @@ from pagedllm.config import CacheConfig, ModelConfig
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.prompt_logprobs import PromptLogprobs, PromptLogprobsSpan, compute_prompt_logprobs
 from pagedllm.worker.rejection_sampler import greedy_verify, rejection_sample
-from pagedllm.worker.sampler import SamplingBatch, argmax_kernel, greedy, is_plain_greedy, sample_requests
+from pagedllm.worker.sampler import SamplingBatch, greedy, is_plain_greedy, sample_requests
 
 
 @dataclass
@@ -54,7 +54,6 @@ class ModelRunner:
         self.samples = samples
         self.input_batch = InputBatch()
         self.max_decode_rows_chunk = max_decode_rows_chunk
-        argmax_kernel()  # the greedy kernel, built (once a machine) now rather than in the first request's step
         self.config = model_config
         self.block_size = cache_config.block_size
         shape = (cache_config.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
 from itertools import chain
 
 import torch
 
-from pagedllm import kernels
+from pagedllm import ops
 from pagedllm.sampling_params import SamplingParams
 
 # Temperatures below this are treated as greedy: dividing by them would overflow float32 (vLLM does the same).
@@ -239,17 +238,11 @@ def _greedy_output(logits: torch.Tensor) -> SamplerOutput:
     return SamplerOutput(greedy(logits).tolist(), [None] * B, [None] * B, [None] * B)
 
 
-@cache
-def argmax_kernel():
-    """The C++ argmax over CPU logits (csrc/greedy.cpp), or None where it cannot be built."""
-    return kernels.load("greedy")
-
-
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """The first index of each row's maximum, a NaN counting as the maximum (as torch.max(dim) breaks
     ties and NaNs). On CPU the C++ kernel reads [32, 49152] bf16 logits in a fraction of ATen's max(dim)
     (~0.57 ms on 2 threads; argmax ~2.6 ms); elsewhere max(dim)."""
-    kernel = argmax_kernel() if logits.device.type == "cpu" else None
+    kernel = ops.kernel("argmax") if logits.device.type == "cpu" else None
     if kernel is not None and logits.dtype in (torch.bfloat16, torch.float32) and logits.stride(-1) == 1:
         return kernel.argmax_rows(logits)
     return logits.max(dim=-1).indices

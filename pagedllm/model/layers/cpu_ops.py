@@ -1,7 +1,6 @@
-"""The C++ element-wise layer ops (csrc/layer_ops.cpp), compiled on first use (pagedllm/cpp_extension.py):
-RMSNorm, residual add + RMSNorm, SiLU-and-multiply and rotary, one call each instead of 4-10 torch ops.
-
-`load()` returns None without a compiler or with PAGEDLLM_NO_CPU_KERNEL=1; the layers then run their
+"""The C++ element-wise layer ops (csrc/layer_ops.cpp): RMSNorm, residual add + RMSNorm, SiLU-and-multiply
+and rotary, one call each instead of 4-10 torch ops. The op table (ops.py) hands out the module; where it
+gives none (no compiler, PAGEDLLM_NO_CPU_KERNEL=1, or forced(layer_ops="torch")) the layers run their
 torch code, which rounds the same way.
 """
 
@@ -9,15 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm import kernels, ops
-
-
-def load():
-    return kernels.load("layer_ops")
+from pagedllm import ops
 
 
 def usable(x: torch.Tensor):
     """The ops module when x can go through it (CPU, no autograd), else None."""
     if x.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()):
         return None
-    return load() if ops.backend("layer_ops") != "torch" else None
+    return ops.kernel("layer_ops")

@@ -1,0 +1,189 @@
+"""The backends of the quantized_linear op: one class a kernel, each with `supports`, `pack`, `matmul`.
+
+A QuantLinear (linear.py) is the stored weight: codes, scales, mins, bits, group. At build time it asks
+`choose(...)` for the first kernel of the op table's backend (ops.py) that takes its shape and the
+activations' dtype, and keeps that kernel and the layout it packed; a call then is `kernel.matmul`. Where
+no kernel takes it, or inside forced(quantized_linear="torch"), the torch reference runs
+(QuantLinear.forward_native: dequantize, then F.linear).
+
+    AmxKernel          amx tier, bf16 activations: AVX512-BF16 dot products for 1-GEMV_MAX_ROWS rows, AMX
+                       tiles above, on one layout (amx.py, csrc/woq_amx.h, csrc/woq_gemv.h)
+    Avx2Kernel         every tier from avx2 up, fp32 or bf16 activations quantized to int8 on the fly,
+                       VPMADDUBSW dot products, any rows (avx2.py, csrc/woq_avx2.h)
+    TorchPackedKernel  torch's own int4 / int8 packed kernels for small bf16 batches (no C++ of ours), the
+                       weight dequantized per call above KERNEL_MAX_ROWS: CPUs below avx2, odd shapes
+
+The AMX and AVX2 layouts hold the codes, scales and mins exactly (`holds_weight`), so the stored copy is
+dropped once they are built and rebuilt from them on demand (`unpack`).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedllm import ops
+from pagedllm.quantization import amx, avx2
+
+if TYPE_CHECKING:
+    from pagedllm.quantization.linear import QuantLinear
+
+Layout = tuple[torch.Tensor, ...]
+
+# Rows at or below which the AVX512-BF16 dot-product kernel runs on the AMX layout; the AMX tiles above.
+# Measured on an AMX Xeon (2 threads, hot, default-model shapes): at 1-4 rows the dot products beat
+# torch's INT4 kernel (15-44 us against 25-60 us at one row; equal at four); above, the tiles win
+# (32 rows: torch 244-712 us vs AMX 53-161 us).
+GEMV_MAX_ROWS = 4
+# Rows at or below which torch's packed kernels run (else: dequantize + bf16 GEMM). Measured (AVX-512 BF16,
+# 1 thread, medians, default-model shapes 576x576 / 1536x576 / 576x1536): both cost ~8-20 us a row (INT8 a
+# little more, plus the zero-point correction), the dequantize path ~0.45-1.4 ms plus ~1-3 us a row.
+# INT4 crosses near 64 rows, INT8 near 32-64.
+KERNEL_MAX_ROWS = {"int4": 64, "int8": 48}
+INT4_KERNEL_GROUPS = (32, 64, 128, 256)  # the group sizes _weight_int4pack_mm_for_cpu accepts
+
+
+class WoqKernel:
+    """One quantized-linear kernel: which layers it takes, its layout of their weight, and the product."""
+
+    name: str
+    holds_weight: bool  # its layout holds codes, scales and mins exactly: the stored copy can go
+
+    def supports(self, layer: QuantLinear, dtype: torch.dtype) -> bool:
+        raise NotImplementedError
+
+    def pack(self, layer: QuantLinear) -> Layout:
+        raise NotImplementedError
+
+    def unpack(self, layer: QuantLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes uint8 [out, in], scales, mins float32 [out, groups]) back from layer.layout."""
+        raise NotImplementedError(f"the {self.name} layout does not hold the weight")
+
+    def matmul(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in] contiguous -> [M, out] in x's dtype, the bias added."""
+        raise NotImplementedError
+
+    def dequantizes_at(self, layer: QuantLinear, rows: int) -> bool:
+        """Whether a call of `rows` rows rebuilds the float weight (then a big layer costs that every call)."""
+        return False
+
+
+class AmxKernel(WoqKernel):
+    name, holds_weight = "amx", True
+
+    def __init__(self, ext):
+        self.ext = ext
+
+    def supports(self, layer: QuantLinear, dtype: torch.dtype) -> bool:
+        return dtype == torch.bfloat16 and amx.supports(
+            layer.bits, layer.in_features, layer.out_features, layer.group_size
+        )
+
+    def pack(self, layer: QuantLinear) -> Layout:
+        codes, (scales, mins) = layer.codes(), layer.scales_and_mins()
+        return amx.pack_codes(codes, scales, mins, layer.bits)
+
+    def unpack(self, layer: QuantLinear):
+        codes, scales, mins = layer.layout
+        return amx.unpack_codes(codes, layer.bits), amx.unpack_groups(scales), amx.unpack_groups(mins)
+
+    def matmul(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        bias = None if layer.bias is None else layer.bias.to(x.dtype)  # rounded as F.linear's would be
+        fn = self.ext.gemv if x.shape[0] <= GEMV_MAX_ROWS else self.ext.gemm
+        return fn(x, *layer.layout, bias, layer.bits, layer.group, layer.out_features)
+
+
+class Avx2Kernel(WoqKernel):
+    name, holds_weight = "avx2", True
+
+    def supports(self, layer: QuantLinear, dtype: torch.dtype) -> bool:
+        return dtype in (torch.float32, torch.bfloat16) and avx2.supports(
+            layer.bits, layer.in_features, layer.out_features, layer.group_size
+        )
+
+    def pack(self, layer: QuantLinear) -> Layout:
+        codes, (scales, mins) = layer.codes(), layer.scales_and_mins()
+        return avx2.pack(codes, scales, mins, layer.bits)
+
+    def unpack(self, layer: QuantLinear):
+        return avx2.unpack(layer.layout, layer.bits, layer.out_features, layer.in_features, layer.group_size)
+
+    def matmul(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        return avx2.matmul(
+            x,
+            layout=layer.layout,
+            bias=layer.bias,
+            bits=layer.bits,
+            group_size=layer.group_size,
+            out_features=layer.out_features,
+        )
+
+
+class TorchPackedKernel(WoqKernel):
+    """torch's _weight_int4pack_mm_for_cpu / _weight_int8pack_mm, for bf16 activations.
+
+    INT4, group 32/64/128/256: the kernel computes w = (q - 8) * scale + zero per group, so scale = s and
+    zero = m + 8 s reproduce w = s*q + m (scales rounded to bf16: the precision of a bf16 weight).
+    INT8 per channel: the kernel is symmetric (w = s * q8); with q8 = q - 128 (the stored qweight),
+    x @ w^T = s * (x @ q8^T) + (sum_k x_k) * (m + 128 s), the kernel run with unit scales and the rest in
+    fp32. Their time grows with rows (the weight is dequantized per row), so above KERNEL_MAX_ROWS the
+    reference's one dequantization per call is cheaper."""
+
+    name, holds_weight = "torch-packed", False
+
+    @staticmethod
+    def kind(layer: QuantLinear) -> str | None:
+        if layer.bits == 4 and layer.group_size in INT4_KERNEL_GROUPS and layer.out_features % 16 == 0:
+            return "int4"
+        if layer.bits == 8 and layer.group_size is None:
+            return "int8"
+        return None
+
+    def supports(self, layer: QuantLinear, dtype: torch.dtype) -> bool:
+        return dtype == torch.bfloat16 and self.kind(layer) is not None
+
+    def pack(self, layer: QuantLinear) -> Layout:
+        scales, mins = layer.scales_and_mins()
+        if self.kind(layer) == "int4":
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(layer.codes().to(torch.int32), 2)
+            zero = mins + 8 * scales  # the kernel's zero is the value at code 8
+            sz = torch.stack((scales, zero), dim=-1).transpose(0, 1).contiguous()  # [groups, out, 2]
+            return packed, sz.to(torch.bfloat16)
+        ones = torch.ones(layer.out_features, dtype=torch.bfloat16)
+        return ones, (mins + 128 * scales).reshape(-1)  # the correction, per channel in fp32
+
+    def dequantizes_at(self, layer: QuantLinear, rows: int) -> bool:
+        return rows > KERNEL_MAX_ROWS[self.kind(layer)]
+
+    def matmul(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        if self.dequantizes_at(layer, x.shape[0]):
+            return layer.forward_native(x)
+        if self.kind(layer) == "int4":
+            packed, sz = layer.layout
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, layer.group_size, sz)
+        else:  # qweight holds q - 128 as int8
+            ones, corr = layer.layout
+            y = torch.ops.aten._weight_int8pack_mm(x, layer.qweight, ones).float() * layer.scales.reshape(-1)
+            y = torch.addcmul(y, x.float().sum(dim=1, keepdim=True), corr).to(x.dtype)
+        return y if layer.bias is None else y + layer.bias.to(y.dtype)
+
+
+@cache
+def _candidates(backend: str) -> tuple[WoqKernel, ...]:
+    """The kernels of a backend in the order they are tried; torch's packed kernels last for the shapes
+    and dtypes ours refuse."""
+    if backend == "amx":
+        return AmxKernel(ops.kernel("quantized_linear", "woq_amx")), Avx2Kernel(), TorchPackedKernel()
+    if backend == "avx2":
+        return Avx2Kernel(), TorchPackedKernel()
+    if backend == "torch-packed":
+        return (TorchPackedKernel(),)
+    return ()  # the reference
+
+
+def choose(layer: QuantLinear, dtype: torch.dtype) -> WoqKernel | None:
+    """The kernel that multiplies `layer` by `dtype` activations under the op table's backend (forced
+    included), or None for the reference."""
+    return next((k for k in _candidates(ops.backend("quantized_linear")) if k.supports(layer, dtype)), None)
