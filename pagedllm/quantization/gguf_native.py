@@ -1,20 +1,13 @@
-"""Serve GGUF Q4_0 / Q4_1 / Q8_0 linear weights as stored: their blocks become QuantLinear codes + scales.
+"""Serve GGUF linear weights as stored: their blocks become QuantLinear codes + scales + mins.
 
-A block covers 32 weights along the input dimension with an fp16 scale d (and, for Q4_1, an fp16 min m):
-    Q4_0  18 bytes: d, 16 bytes of nibbles   w = d * (q - 8)   -> scales = d, mins = -8 d
-    Q4_1  20 bytes: d, m, 16 bytes           w = d * q + m     -> scales = d, mins = m
-    Q8_0  34 bytes: d, 32 int8               w = d * q         -> codes q + 128, scales = d, mins = -128 d
-Nibbles: byte j of a block holds weight j (low) and weight j + 16 (high), unlike pack.py's neighbours.
-In float32, s*q + m above is the same arithmetic gguf.quants.dequantize does (d*q and 8d, 128d are exact
-for an fp16 d), so QuantLinear.dequantize_weight() equals it bit for bit.
+Which types, and the exact arithmetic of each, is gguf_blocks.py's table: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K
+and Q5_K, each as codes with a float scale and min per 32 weights whose dequantization equals llama.cpp's
+bit for bit. Q6_K and the others are dequantized to floats at load (`unserved` lists them and their cost).
 
-What runs where (bf16 activations): Q4_0/Q4_1 are group-32 INT4, so up to KERNEL_MAX_ROWS rows they run
-on the INT4 kernel, whose bf16 scale/zero round d (fp16, 11 bits) to 8 bits: bf16-level differences, the
-same size as storing the dequantized weight in bf16. Q8_0 has a scale per 32 weights and the INT8 kernel
-only one per channel, so Q8_0 linears take the dequantize path every call, unless the AMX kernel
-(quantization/amx.py) serves them, which takes group-wise 4- and 8-bit codes alike and runs every Q4/Q8
-linear above a few rows. Other types (Q4_K, Q6_K, ...) stay dequantized floats, as does the token_embd
-lookup; the lm_head (token_embd when tied) is served from its blocks only when AMX takes it.
+What runs: the kernel the op table gives each layer (woq_kernels.py): the AVX2 kernel on every tier from
+avx2 up (any type above: its codes are 4- or 8-bit, its groups 32), the AMX kernels for bf16 at the amx
+tier. The token_embd lookup stays a float embedding; the lm_head (token_embd when tied) is served from its
+blocks where a kernel takes it without dequantizing per call.
 
 llama.cpp stores the rows of attn_q / attn_k permuted; rows are whole here (codes, scales and mins of a row
 move together), so unpermuting them is exact.
@@ -28,38 +21,17 @@ import torch
 from pagedllm.config import ModelConfig
 from pagedllm.gguf_layout import unpermute_qk
 from pagedllm.model.loader import registry
+from pagedllm.quantization import gguf_blocks
 from pagedllm.quantization.linear import QuantLinear
 
-BLOCK = 32
-NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+BLOCK = gguf_blocks.GROUP
+NATIVE_TYPES = gguf_blocks.NATIVE_TYPES
 
 
 def decode_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, ...]):
     """Raw rows of blocks -> (codes uint8 [out, in], scales f32 [out, in/32], mins f32 [out, in/32], bits)."""
-    rows, cols = shape
-    blocks = np.ascontiguousarray(raw).reshape(rows, cols // BLOCK, _BLOCK_BYTES[type_name])
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if type_name == "Q8_0":
-        q = blocks[..., 2:].copy().view(np.int8).astype(np.int16) + 128
-        codes = q.astype(np.uint8)
-        mins = -128 * d
-        bits = 8
-    else:
-        qs = blocks[..., 4:] if type_name == "Q4_1" else blocks[..., 2:]
-        codes = np.concatenate((qs & 0x0F, qs >> 4), axis=-1)  # weights 0..15 then 16..31
-        mins = (
-            blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-            if type_name == "Q4_1"
-            else -8 * d
-        )
-        bits = 4
-    return (
-        torch.from_numpy(np.ascontiguousarray(codes.reshape(rows, cols))),
-        torch.from_numpy(np.ascontiguousarray(d)),
-        torch.from_numpy(np.ascontiguousarray(mins.astype(np.float32))),
-        bits,
-    )
+    codes, scales, mins, bits = gguf_blocks.decode(type_name, raw, shape)
+    return torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(mins), bits
 
 
 def gguf_quant_linear(

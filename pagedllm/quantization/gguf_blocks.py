@@ -1,0 +1,101 @@
+"""GGUF block formats -> the affine form QuantLinear stores: codes q, and per group of 32 inputs a scale s and
+a min m with w = s * q + m, in exactly the arithmetic llama.cpp's (and gguf.quants') dequantization does.
+
+    type   block             what a weight is (ggml-quants.c's dequantize_row_*)      here
+    Q4_0   32,  18 B   d * (q - 8)                                            4-bit, s = d, m = -8 d
+    Q4_1   32,  20 B   d * q + m                                              4-bit, s = d, m = m
+    Q5_0   32,  22 B   d * (q - 16), q 5 bits (the 5th from qh)               8-bit codes 0..31, m = -16 d
+    Q5_1   32,  24 B   d * q + m,    q 5 bits                                 8-bit codes 0..31
+    Q8_0   32,  34 B   d * q, q int8                                          8-bit, codes q + 128, m = -128 d
+    Q4_K   256, 144 B  (d * sc_j) * q - (dmin * m_j), 8 sub-blocks of 32 with  4-bit, s = d sc_j, m = -dmin m_j
+                       6-bit sc_j, m_j packed in 12 bytes
+    Q5_K   256, 176 B  as Q4_K with 5-bit q (the 5th from qh)                 8-bit codes 0..31
+
+Every s and m above is exact in float32 (an fp16 times an integer below 64: at most 17 significant bits), and
+s * q + m then rounds as llama.cpp's d1 * q - m1 does, so QuantLinear.dequantize_weight() equals
+gguf.quants.dequantize bit for bit (tests/test_gguf_blocks.py). The K-quants' super-block structure is not
+kept: each sub-block's scale and min are stored as float32 (0.5 bytes a weight more than Q4_K's own 4.5
+bits); their values are the file's. Q6_K (sub-blocks of 16, scales int8) and the other types are not
+decoded here: no kernel takes groups of 16, so those tensors are dequantized at load (the loader says so).
+
+Nibbles: in a Q4_0/Q4_1/Q5 block byte j holds weight j (low) and j + 16 (high); in a Q4_K/Q5_K super-block
+each 32 bytes hold two sub-blocks, the low nibbles the first 32 weights and the high nibbles the next 32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+GROUP = 32  # every decoded type's group along the input
+# type -> (weights a block, bytes a block, bits of the codes QuantLinear stores)
+BLOCKS = {
+    "Q4_0": (32, 18, 4),
+    "Q4_1": (32, 20, 4),
+    "Q5_0": (32, 22, 8),
+    "Q5_1": (32, 24, 8),
+    "Q8_0": (32, 34, 8),
+    "Q4_K": (256, 144, 4),
+    "Q5_K": (256, 176, 8),
+}
+NATIVE_TYPES = tuple(BLOCKS)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Two bytes (last axis) as float16 -> float32."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _low_high(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] nibbles: low nibbles are weights 0..15, high ones 16..31."""
+    return np.concatenate((qs & 0x0F, qs >> 4), axis=-1)
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's qh (4 bytes, little-endian uint32) -> [..., 32] bits, bit j for weight j."""
+    word = np.ascontiguousarray(qh).view("<u4")[..., 0]
+    return ((word[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes -> (sc, m) [..., 8], 6 bits each (ggml's get_scale_min_k4)."""
+    s = scales.astype(np.uint8)
+    sc = np.concatenate((s[..., 0:4] & 63, (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)), axis=-1)
+    m = np.concatenate((s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)), axis=-1)
+    return sc, m
+
+
+def decode(type_name: str, raw: np.ndarray, shape: tuple[int, int]):
+    """Raw rows of blocks -> (codes uint8 [out, in], scales f32 [out, in/32], mins f32 [out, in/32], bits)."""
+    rows, cols = shape
+    per_block, nbytes, bits = BLOCKS[type_name]
+    b = np.ascontiguousarray(raw).reshape(rows, cols // per_block, nbytes)
+    if type_name in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, m = _k_scales_mins(b[..., 4:16])
+        scales = d[..., None] * sc.astype(np.float32)  # [rows, super-blocks, 8]: exact in float32
+        mins = -(dmin[..., None] * m.astype(np.float32))
+        qs = b[..., -128:].reshape(rows, -1, 4, 32)  # 4 chunks of 32 bytes: two sub-blocks each
+        codes = np.stack((qs & 0x0F, qs >> 4), axis=3)  # [rows, sb, chunk, low/high, 32]
+        if type_name == "Q5_K":
+            qh = b[..., 16:48]  # bit 2j of byte l: weight l of sub-block 2j; bit 2j + 1: of sub-block 2j + 1
+            shifts = np.arange(8, dtype=np.uint8).reshape(4, 2, 1)
+            codes = codes | (((qh[:, :, None, None, :] >> shifts) & 1) << 4)
+        return (
+            codes.reshape(rows, cols).astype(np.uint8),
+            scales.reshape(rows, -1).astype(np.float32),
+            mins.reshape(rows, -1).astype(np.float32),
+            bits,
+        )
+    d = _f16(b[..., 0:2])
+    if type_name == "Q8_0":
+        codes = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        mins = -128 * d
+    elif type_name == "Q4_0":
+        codes, mins = _low_high(b[..., 2:]), -8 * d
+    elif type_name == "Q4_1":
+        codes, mins = _low_high(b[..., 4:]), _f16(b[..., 2:4])
+    elif type_name == "Q5_0":
+        codes, mins = _low_high(b[..., 6:]) | (_fifth_bits(b[..., 2:6]) << 4), -16 * d
+    else:  # Q5_1
+        codes, mins = _low_high(b[..., 8:]) | (_fifth_bits(b[..., 4:8]) << 4), _f16(b[..., 2:4])
+    return codes.reshape(rows, cols).astype(np.uint8), d, mins.astype(np.float32), bits
