@@ -10,22 +10,28 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from pagedllm import ops
+from pagedllm.config import ModelConfig
 from pagedllm.quantization import gguf_blocks
+from pagedllm.quantization.gguf_native import gguf_quant_linear
 from pagedllm.quantization.linear import QuantLinear
+
+CODE_BITS = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}  # codes held in 8 bits that use fewer
 
 
 def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """Random bytes are valid blocks once the fp16 scales are finite, normal values: every code, sub-block
-    scale and min and every 5th bit pattern occurs."""
+    scale and min and every 5th (6th) bit pattern occurs. d (and m / dmin) lead the block, except Q6_K's
+    d: its last 2 bytes (its int8 sub-block scales stay random, of either sign)."""
     qtype = GGMLQuantizationType[type_name]
     block, size = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    halves = 2 if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 1  # d (and m / dmin) lead the block
+    halves = 2 if type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 1
     scale = rng.uniform(1e-4, 2e-2, size=(rows, cols // block, halves)).astype(np.float16)
     if type_name in ("Q4_1", "Q5_1"):
         scale[..., 1] = -scale[..., 1] * 8  # a min of the sign real files have
-    raw[..., : 2 * halves] = scale.view(np.uint8).reshape(rows, cols // block, 2 * halves)
+    at = slice(size - 2, size) if type_name == "Q6_K" else slice(0, 2 * halves)
+    raw[..., at] = scale.view(np.uint8).reshape(rows, cols // block, 2 * halves)
     return raw.reshape(rows, -1)
 
 
@@ -33,11 +39,12 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.nda
 @pytest.mark.parametrize("shape", [(16, 256), (40, 512)])
 def test_decoded_blocks_dequantize_exactly_as_gguf(type_name, shape):
     raw = random_blocks(type_name, *shape)
-    codes, scales, mins, bits = gguf_blocks.decode(type_name, raw, shape)
-    assert codes.shape == shape and scales.shape == mins.shape == (shape[0], shape[1] // 32)
-    assert codes.max() < 2 ** (5 if type_name.startswith("Q5") else bits)
+    codes, scales, mins, bits, group = gguf_blocks.decode(type_name, raw, shape)
+    assert group == (16 if type_name == "Q6_K" else 32)
+    assert codes.shape == shape and scales.shape == mins.shape == (shape[0], shape[1] // group)
+    assert codes.max() < 2 ** CODE_BITS.get(type_name, bits)
     layer = QuantLinear.from_codes(
-        torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(mins), bits, 32
+        torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(mins), bits, group
     )
     want = gguf_dequantize(raw, GGMLQuantizationType[type_name]).reshape(shape)
     with ops.forced(quantized_linear="torch"):
@@ -45,15 +52,15 @@ def test_decoded_blocks_dequantize_exactly_as_gguf(type_name, shape):
     assert np.array_equal(got, want), np.abs(got - want).max()
 
 
-@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1"])
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1"])  # gguf.quants writes no Q6_K (nor K-quant)
 def test_quantized_by_gguf_round_trips(type_name):
     """Blocks the gguf package itself writes (not random bytes) decode to its own dequantization."""
     from gguf.quants import quantize
 
     w = np.random.default_rng(3).standard_normal((8, 256)).astype(np.float32)
     raw = quantize(w, GGMLQuantizationType[type_name])
-    codes, scales, mins, bits = gguf_blocks.decode(type_name, raw, w.shape)
-    got = torch.from_numpy(codes).float().view(8, 8, 32) * torch.from_numpy(scales)[..., None]
+    codes, scales, mins, bits, group = gguf_blocks.decode(type_name, raw, w.shape)
+    got = torch.from_numpy(codes).float().view(8, -1, group) * torch.from_numpy(scales)[..., None]
     got = (got + torch.from_numpy(mins)[..., None]).reshape(8, 256).numpy()
     assert np.array_equal(got, gguf_dequantize(raw, GGMLQuantizationType[type_name]).reshape(8, 256))
 
@@ -65,14 +72,47 @@ def test_kernel_on_decoded_blocks_matches_the_dequantized_matmul(type_name, dtyp
     within the AVX2 kernel's contract (int8 activations, relative error < 1.5e-2) or bf16's."""
     shape = (48, 512)
     raw = random_blocks(type_name, *shape, seed=7)
-    codes, scales, mins, bits = gguf_blocks.decode(type_name, raw, shape)
+    codes, scales, mins, bits, group = gguf_blocks.decode(type_name, raw, shape)
     layer = QuantLinear.from_codes(
-        torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(mins), bits, 32
+        torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(mins), bits, group
     )
     layer.pack(dtype)
+    if ops.kernel("quantized_linear", "woq_avx2") is not None and ops.backend("quantized_linear") != "torch":
+        assert layer.kernel is not None  # served from the blocks (Q6_K: the AVX2 kernel's group 16)
     w = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType[type_name]).reshape(shape))
     for rows in (1, 5, 33):
         x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
         ref = x.float() @ w.T
         err = ((layer(x).float() - ref).norm() / ref.norm()).item()
         assert err < 1.5e-2, (type_name, rows, layer.kernel.name if layer.kernel else None, err)
+
+
+def test_q6_k_scales_are_exact_products():
+    """Q6_K's s = d * sc and m = -32 s in float32 are the exact products (d fp16: 11 bits, sc int8: 7 bits),
+    so s * q + m is d * sc * (q - 32) exactly, for the extreme sub-block scales -128 and 127 as well."""
+    raw = random_blocks("Q6_K", 4, 512, seed=5).reshape(4, 2, 210)
+    raw[0, 0, 192:208] = np.array([-128, 127, -1, 1] * 4, dtype=np.int8).view(np.uint8)
+    raw[0, 0, 208:210] = np.array([np.float16(65504.0) / 128], dtype=np.float16).view(np.uint8)  # a big d
+    raw = raw.reshape(4, -1)
+    codes, scales, mins, bits, group = gguf_blocks.decode("Q6_K", raw, (4, 512))
+    d = raw.reshape(4, 2, 210)[..., 208:210].copy().view(np.float16).astype(np.float64)  # [4, 2, 1]
+    sc = raw.reshape(4, 2, 210)[..., 192:208].view(np.int8).astype(np.float64)  # [4, 2, 16]
+    assert np.array_equal(scales.astype(np.float64), (d * sc).reshape(4, 32))
+    assert np.array_equal(mins.astype(np.float64), (-32 * d * sc).reshape(4, 32))
+    want = gguf_dequantize(raw, GGMLQuantizationType.Q6_K).reshape(4, 512)
+    got = codes.astype(np.float32).reshape(4, 32, 16) * scales[..., None] + mins[..., None]
+    assert np.array_equal(got.reshape(4, 512), want)
+
+
+def test_gguf_quant_linear_takes_the_group_of_the_type():
+    cfg = ModelConfig(
+        vocab_size=10, hidden_size=256, intermediate_size=512, num_layers=1, num_heads=4, num_kv_heads=2,
+        head_dim=64, architecture="llama",
+    )  # fmt: skip
+    for type_name, group in (("Q6_K", 16), ("Q4_K", 32), ("Q8_0", 32)):
+        raw = random_blocks(type_name, 64, 256, seed=11)
+        layer = gguf_quant_linear("model.layers.0.mlp.down_proj", type_name, raw, (64, 256), cfg)
+        assert layer.group_size == group and layer.scales.shape == (64, 256 // group)
+        want = gguf_dequantize(raw, GGMLQuantizationType[type_name]).reshape(64, 256)
+        with ops.forced(quantized_linear="torch"):
+            assert np.array_equal(layer.dequantize_weight(torch.float32).numpy(), want)

@@ -3,7 +3,8 @@
 Two references per case: the float32 product x @ (s q + m)^T (+ bias), which the kernel must match within
 the error of rounding x to int8 per 32-block (< 1.5e-2 relative Frobenius for random normal x), and that
 same product on x rounded exactly as the kernel rounds it (per 32-block, scale max|x| / 127, round half to
-even), which it must match to float32 summation order (< 1e-5). Skipped where the op table has no AVX2 kernel
+even), which it must match to float32 summation order (< 1e-5). Group 16 (8-bit codes only, GGUF Q6_K) against
+the same two references and bounds. Skipped where the op table has no AVX2 kernel
 (ops.kernel("quantized_linear", "woq_avx2") is None: below the avx2 tier, or no compiler).
 """
 
@@ -103,6 +104,9 @@ CASES = [
     (8, 160, 37, 32, True),  # K = 32 x 5, N = 37
     (4, 224, 1, None, False),  # one output, per-channel int4
     (8, 32, 9, None, False),  # the smallest K
+    (8, 576, 136, 16, False),  # group 16 (GGUF Q6_K's sub-blocks): two groups an activation block
+    (8, 160, 37, 16, False),  # group 16, K = 32 x 5, N = 37
+    (8, 32, 9, 16, False),  # group 16, the smallest K: one activation block, two groups
 ]
 
 
@@ -114,7 +118,7 @@ def test_shapes_float32(bits, k, n, group, exact):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 31, 32, 33, 100, 300])  # every remainder of 8 and 6
-@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (8, None)])
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (8, None), (8, 16)])
 def test_rows(rows, bits, group):
     codes, scales, mins = layer(70, 288, bits, group, fp16_exact=group == 32)
     check(torch.randn(rows, 288), codes, scales, mins, bits, group, bias=torch.randn(70))
@@ -125,13 +129,13 @@ def test_lm_head_shape_q8_0():
     check(torch.randn(2, 576), codes, scales, mins, 8, 32)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_bias_and_bf16_in_and_out(bits):
-    codes, scales, mins = layer(45, 192, bits, 64, False)
+@pytest.mark.parametrize("bits,group", [(4, 64), (8, 64), (8, 16)])
+def test_bias_and_bf16_in_and_out(bits, group):
+    codes, scales, mins = layer(45, 192, bits, group, False)
     bias = torch.randn(45)
     for rows in (1, 4, 37):
         x = torch.randn(rows, 192).bfloat16()
-        y, _, emulated = check(x, codes, scales, mins, bits, 64, bias=bias)
+        y, _, emulated = check(x, codes, scales, mins, bits, group, bias=bias)
         assert y.dtype == torch.bfloat16
         # the float32 result rounded once: within half a bf16 unit of the emulated product
         assert torch.allclose(y.float(), emulated.float(), rtol=2**-8, atol=1e-4)
@@ -149,25 +153,26 @@ def test_pack_unpack_round_trip_bit_for_bit(bits, k, n, group, exact):
 
 def test_extreme_codes_and_an_all_zero_row():
     # 8-bit codes 0 and 255 (q - 128 = -128: the abs/sign trick's edge) and 4-bit 0 and 15
-    for bits in (4, 8):
-        codes, scales, mins = layer(24, 128, bits, 32, False)
+    for bits, group in ((4, 32), (8, 32), (8, 16)):
+        codes, scales, mins = layer(24, 128, bits, group, False)
         codes[:8] = 0
         codes[8:16] = 2**bits - 1
         x = torch.randn(6, 128)
         x[2] = 0  # an all-zero row gives exactly the bias
         x[4, :32] = 0  # and an all-zero block inside a row
+        x[5, 48:64] = 0  # and an all-zero half block (group 16: one group's inputs all zero)
         bias = torch.randn(24)
-        y, _, _ = check(x, codes, scales, mins, bits, 32, bias=bias)
+        y, _, _ = check(x, codes, scales, mins, bits, group, bias=bias)
         assert torch.equal(y[2], bias)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_outliers(bits):
+@pytest.mark.parametrize("bits,group,exact", [(4, 32, True), (8, 32, True), (8, 16, False)])
+def test_outliers(bits, group, exact):
     # one value 100x the rest in a block: that block's other values round coarsely, the rest do not
-    codes, scales, mins = layer(64, 576, bits, 32, True)
+    codes, scales, mins = layer(64, 576, bits, group, exact)
     x = torch.randn(9, 576)
     x[torch.arange(9), torch.arange(9) * 61] = 100.0
-    y, ref, emulated = check(x, codes, scales, mins, bits, 32, bound=1.0)
+    y, ref, emulated = check(x, codes, scales, mins, bits, group, bound=1.0)
     # the whole error is x's rounding: within a hair of what the rounded x alone gives
     assert rel(y, ref) <= 1.01 * rel(emulated, ref) + EMULATED_BOUND
     assert rel(y, ref) < INT8_BOUND
@@ -195,6 +200,13 @@ def test_bad_inputs_raise_clearly(kernel):
     # the C++ entry point guards direct use too
     with pytest.raises(RuntimeError, match="woq_avx2"):
         kernel.matmul(torch.randn(2, 96), *layout, None, 4, 32, 16)
+    with pytest.raises(RuntimeError, match="woq_avx2"):  # group 16 is for 8-bit codes only
+        kernel.matmul(
+            torch.randn(2, 64), *avx2.pack(codes, *layer(16, 64, 4, 16, False)[1:], 4), None, 4, 16, 16
+        )
+    c8, s8, m8 = layer(16, 64, 8, 16, False)
+    with pytest.raises(RuntimeError, match="gemv_fp32"):  # the float32 alternative: multiples of 32 only
+        kernel.gemv_fp32(torch.randn(1, 64), *avx2.pack(c8, s8, m8, 8), None, 8, 16, 16)
     # forced to the reference, the op table hands out no kernel: a clear error, not a C++ call
     with ops.forced(quantized_linear="torch"), pytest.raises(RuntimeError, match="no AVX2 kernel"):
         avx2.matmul(torch.randn(2, 64), layout, None, 4, 32, 16)
@@ -207,6 +219,10 @@ def test_supports():
     assert not avx2.supports(4, 80, 16, None)  # K not a multiple of 32
     assert not avx2.supports(4, 576, 16, 48)  # group not a multiple of 32
     assert not avx2.supports(4, 576, 16, 128)  # K not a multiple of the group
+    assert avx2.supports(8, 576, 16, 16) and avx2.supports(8, 32, 9, 16)  # group 16: 8-bit codes (Q6_K)
+    assert not avx2.supports(4, 576, 16, 16)  # group 16 with 4-bit codes
+    assert not avx2.supports(8, 80, 16, 16)  # group 16, K still a multiple of 32
+    assert not avx2.supports(8, 576, 16, 8) and not avx2.supports(8, 576, 16, 48)
 
 
 def test_fp32_activation_alternative_is_exact(kernel):

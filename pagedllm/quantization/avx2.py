@@ -6,8 +6,11 @@ The kernel for every x86 CPU with AVX2 + FMA + F16C and no AMX.
     codes, scales, mins = unpack(layout, bits, N, K, group_size)   # gives it back bit for bit)
     y = matmul(x, layout, bias, bits, group_size, N)  # x [M, K] float32 / bf16 -> y [M, N], same dtype
 
-Accuracy: that of rounding x to int8 per 32 elements (csrc/woq_avx2.h states the contract); everything
-after it is exact in int32 or float32.
+Groups: multiples of 32 inputs (or per channel), and 16 for 8-bit codes (GGUF Q6_K's sub-blocks): then
+each 32-block's integer dot product and code sum are taken per 16-half, each half with its own scale and min.
+
+Accuracy: that of rounding x to int8 per 32 elements (csrc/woq_avx2.h states the contract, group 16
+included); everything after it is exact in int32 or float32.
 
 Measured (scripts/bench_woq_avx2.py: the default model's 120 decoder linears + lm_head, 98.2 MB of layout;
 this 2-core Zen 3 VM shared with other jobs at load average 4-7, so on one thread by CPU time, median of 5):
@@ -18,6 +21,9 @@ this 2-core Zen 3 VM shared with other jobs at load average 4-7, so on one threa
 Above ~32 rows MKL's float32 GEMM runs near its peak while VPMADDUBSW (no VNNI on AVX2) needs an add per
 32 products plus the scale and min per 32-block (csrc/woq_avx2.h: ~135 GFLOP/s a core for Q4_1 shapes,
 ~100 for Q8_0, against MKL's ~70-80).
+Group 16 (Q6_K), one [2048 out, 8192 in] layer, one thread, CPU time, median, interleaved with Q8_0 on the
+same shape: M=1 ~820 us (25.2 MB: float32 scale and min per 16 weights, 1.5 B a weight) vs Q8_0 ~650 us
+(18.9 MB, 1.125 B a weight), both ~30 GB/s, so the extra time is the extra bytes; M=32 98 vs 94 GFLOP/s.
 
 The compiled module comes from the op table (ops.kernel("quantized_linear", "woq_avx2")): None below the
 avx2 tier, without a compiler, or with PAGEDLLM_NO_CPU_KERNEL=1; QuantLinear then runs another kernel
@@ -35,7 +41,8 @@ from pagedllm.quantization.amx import exact_in_float16
 
 SOURCE = Path(__file__).parent / "csrc" / "woq_avx2.cpp"
 COLS = 8  # output columns a panel (N is padded to a multiple)
-BLOCK = 32  # inputs an activation block; K and every group size are multiples
+BLOCK = 32  # inputs an activation block; K and every group size but HALF_GROUP are multiples
+HALF_GROUP = 16  # the one smaller group, for 8-bit codes only (GGUF Q6_K): half an activation block
 
 
 def supports(bits: int, in_features: int, out_features: int, group_size: int | None) -> bool:
@@ -47,7 +54,7 @@ def supports(bits: int, in_features: int, out_features: int, group_size: int | N
         and out_features > 0
         and in_features % BLOCK == 0
         and group > 0
-        and group % BLOCK == 0
+        and (group % BLOCK == 0 or (bits == 8 and group == HALF_GROUP))
         and in_features % group == 0
     )
 
@@ -63,7 +70,8 @@ def _by_panel(t: torch.Tensor, panels: int) -> torch.Tensor:
 def pack(
     codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """codes uint8 [N, K] (0..2^bits-1), scales / mins float32 [N, G] -> (codes, scales, mins) in the
+    """codes uint8 [N, K] (0..2^bits-1), scales / mins float32 [N, G] (G = K / group: K/16 for group 16)
+    -> (codes, scales, mins) in the
     kernel's layout (csrc/woq_avx2.h): codes uint8 [panels, K/32, 128 (4-bit) | 256 (8-bit)], each panel
     of 8 output columns interleaved 4 inputs a column; scales / mins [panels, G, 8] in float16 when that
     holds both exactly (GGUF: 0.25 B a weight less to stream at decode), else float32."""

@@ -1,5 +1,6 @@
-"""GGUF block formats -> the affine form QuantLinear stores: codes q, and per group of 32 inputs a scale s and
-a min m with w = s * q + m, in exactly the arithmetic llama.cpp's (and gguf.quants') dequantization does.
+"""GGUF block formats -> the affine form QuantLinear stores: codes q, and per group of 32 inputs (16 for Q6_K) a
+scale s and a min m with w = s * q + m, in exactly the arithmetic llama.cpp's (and gguf.quants')
+dequantization does.
 
     type   block             what a weight is (ggml-quants.c's dequantize_row_*)      here
     Q4_0   32,  18 B   d * (q - 8)                                            4-bit, s = d, m = -8 d
@@ -10,13 +11,22 @@ a min m with w = s * q + m, in exactly the arithmetic llama.cpp's (and gguf.quan
     Q4_K   256, 144 B  (d * sc_j) * q - (dmin * m_j), 8 sub-blocks of 32 with  4-bit, s = d sc_j, m = -dmin m_j
                        6-bit sc_j, m_j packed in 12 bytes
     Q5_K   256, 176 B  as Q4_K with 5-bit q (the 5th from qh)                 8-bit codes 0..31
+    Q6_K   256, 210 B  (d * sc_j) * (q - 32), q 6 bits (4 from ql, 2 from qh),  8-bit codes 0..63, group 16,
+                       16 sub-blocks of 16 with int8 sc_j, d fp16 last         s = d sc_j, m = -32 s
 
 Every s and m above is exact in float32 (an fp16 times an integer below 64: at most 17 significant bits), and
 s * q + m then rounds as llama.cpp's d1 * q - m1 does, so QuantLinear.dequantize_weight() equals
 gguf.quants.dequantize bit for bit (tests/test_gguf_blocks.py). The K-quants' super-block structure is not
 kept: each sub-block's scale and min are stored as float32 (0.5 bytes a weight more than Q4_K's own 4.5
-bits); their values are the file's. Q6_K (sub-blocks of 16, scales int8) and the other types are not
-decoded here: no kernel takes groups of 16, so those tensors are dequantized at load (the loader says so).
+bits); their values are the file's. The other types (Q2_K, Q3_K, IQ*, ...) are not decoded here: those
+tensors are dequantized at load (the loader says so).
+
+Q6_K is the one type with groups of 16 (its sub-blocks), which the AVX2 kernel takes for 8-bit codes. Its
+s = d * sc is exact in float32: d has 11 significant bits, sc (int8, |sc| <= 128) at most 7, the product at
+most 18 < 24. gguf.quants computes s * (q - 32), q - 32 in -32..31 (at most 5 bits): 23 bits, exact; here
+s * q (q 0..63, 6 bits: 24 bits, exact) plus m = -32 s (exact: a power of two) is that same real number,
+which float32 holds, so the sum (or an FMA) gives it exactly. Only the sign of a zero may differ
+(s * 0 against s * 32 - 32 s = +0), as for Q8_0; np.array_equal and every product treat them as equal.
 
 Nibbles: in a Q4_0/Q4_1/Q5 block byte j holds weight j (low) and j + 16 (high); in a Q4_K/Q5_K super-block
 each 32 bytes hold two sub-blocks, the low nibbles the first 32 weights and the high nibbles the next 32.
@@ -26,16 +36,16 @@ from __future__ import annotations
 
 import numpy as np
 
-GROUP = 32  # every decoded type's group along the input
-# type -> (weights a block, bytes a block, bits of the codes QuantLinear stores)
+# type -> (weights a block, bytes a block, bits of the codes QuantLinear stores, group along the input)
 BLOCKS = {
-    "Q4_0": (32, 18, 4),
-    "Q4_1": (32, 20, 4),
-    "Q5_0": (32, 22, 8),
-    "Q5_1": (32, 24, 8),
-    "Q8_0": (32, 34, 8),
-    "Q4_K": (256, 144, 4),
-    "Q5_K": (256, 176, 8),
+    "Q4_0": (32, 18, 4, 32),
+    "Q4_1": (32, 20, 4, 32),
+    "Q5_0": (32, 22, 8, 32),
+    "Q5_1": (32, 24, 8, 32),
+    "Q8_0": (32, 34, 8, 32),
+    "Q4_K": (256, 144, 4, 32),
+    "Q5_K": (256, 176, 8, 32),
+    "Q6_K": (256, 210, 8, 16),
 }
 NATIVE_TYPES = tuple(BLOCKS)
 
@@ -64,11 +74,32 @@ def _k_scales_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, m
 
 
+def _q6_k(b: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q6_K super-blocks [rows, n, 210] -> (codes 0..63 [rows, cols], scales, mins f32 [rows, cols/16]).
+
+    Each half of 128 weights takes 64 bytes of ql and 32 of qh: weight l (0..31) is ql[l]'s low nibble,
+    l + 32 ql[l + 32]'s, l + 64 and l + 96 their high nibbles, and the 2 high bits of weight l + 32 i are
+    bits 2i, 2i + 1 of qh[l] (ggml's dequantize_row_q6_K)."""
+    n = b.shape[1]
+    ql = b[..., :128].reshape(rows, n, 2, 1, 64)
+    ql = ((ql >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F).reshape(rows, n, 2, 4, 32)
+    qh = b[..., 128:192].reshape(rows, n, 2, 1, 32)
+    qh = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 0x03  # [rows, n, half, 4, 32]
+    codes = (ql | (qh << 4)).reshape(rows, cols)
+    sc = b[..., 192:208].view(np.int8).astype(np.float32)  # [rows, n, 16]
+    scales = _f16(b[..., 208:210])[..., None] * sc  # exact (see above)
+    return codes, scales.reshape(rows, -1), np.float32(-32) * scales.reshape(rows, -1)
+
+
 def decode(type_name: str, raw: np.ndarray, shape: tuple[int, int]):
-    """Raw rows of blocks -> (codes uint8 [out, in], scales f32 [out, in/32], mins f32 [out, in/32], bits)."""
+    """Raw rows of blocks -> (codes uint8 [out, in], scales f32 [out, in/group], mins f32 [out, in/group],
+    bits, group): group 32, or 16 for Q6_K (BLOCKS)."""
     rows, cols = shape
-    per_block, nbytes, bits = BLOCKS[type_name]
+    per_block, nbytes, bits, group = BLOCKS[type_name]
     b = np.ascontiguousarray(raw).reshape(rows, cols // per_block, nbytes)
+    if type_name == "Q6_K":
+        codes, scales, mins = _q6_k(b, rows, cols)
+        return codes.astype(np.uint8), scales.astype(np.float32), mins.astype(np.float32), bits, group
     if type_name in ("Q4_K", "Q5_K"):
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         sc, m = _k_scales_mins(b[..., 4:16])
@@ -85,6 +116,7 @@ def decode(type_name: str, raw: np.ndarray, shape: tuple[int, int]):
             scales.reshape(rows, -1).astype(np.float32),
             mins.reshape(rows, -1).astype(np.float32),
             bits,
+            group,
         )
     d = _f16(b[..., 0:2])
     if type_name == "Q8_0":
@@ -98,4 +130,4 @@ def decode(type_name: str, raw: np.ndarray, shape: tuple[int, int]):
         codes, mins = _low_high(b[..., 6:]) | (_fifth_bits(b[..., 2:6]) << 4), -16 * d
     else:  # Q5_1
         codes, mins = _low_high(b[..., 8:]) | (_fifth_bits(b[..., 4:8]) << 4), _f16(b[..., 2:4])
-    return codes.reshape(rows, cols).astype(np.uint8), d, mins.astype(np.float32), bits
+    return codes.reshape(rows, cols).astype(np.uint8), d, mins.astype(np.float32), bits, group

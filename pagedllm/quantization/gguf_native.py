@@ -1,12 +1,13 @@
 """Serve GGUF linear weights as stored: their blocks become QuantLinear codes + scales + mins.
 
-Which types, and the exact arithmetic of each, is gguf_blocks.py's table: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K
-and Q5_K, each as codes with a float scale and min per 32 weights whose dequantization equals llama.cpp's
-bit for bit. Q6_K and the others are dequantized to floats at load (`unserved` lists them and their cost).
+Which types, and the exact arithmetic of each, is gguf_blocks.py's table: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K and Q6_K, each as codes with a float scale and min per 32 weights (16 for Q6_K: the group comes with
+the decoded blocks) whose dequantization equals llama.cpp's bit for bit. The others are dequantized to
+floats at load (`unserved` lists them and their cost).
 
 What runs: the kernel the op table gives each layer (woq_kernels.py): the AVX2 kernel on every tier from
-avx2 up (any type above: its codes are 4- or 8-bit, its groups 32), the AMX kernels for bf16 at the amx
-tier. The token_embd lookup stays a float embedding; the lm_head (token_embd when tied) is served from its
+avx2 up (any type above: its codes are 4- or 8-bit, its groups 32, or 16 with 8-bit codes for Q6_K), the
+AMX kernels for bf16 at the amx tier where they take the group. The token_embd lookup stays a float embedding; the lm_head (token_embd when tied) is served from its
 blocks where a kernel takes it without dequantizing per call.
 
 llama.cpp stores the rows of attn_q / attn_k permuted; rows are whole here (codes, scales and mins of a row
@@ -24,14 +25,18 @@ from pagedllm.model.loader import registry
 from pagedllm.quantization import gguf_blocks
 from pagedllm.quantization.linear import QuantLinear
 
-BLOCK = gguf_blocks.GROUP
 NATIVE_TYPES = gguf_blocks.NATIVE_TYPES
 
 
+def _decode(type_name: str, raw: np.ndarray, shape: tuple[int, ...]):
+    codes, scales, mins, bits, group = gguf_blocks.decode(type_name, raw, shape)
+    return torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(mins), bits, group
+
+
 def decode_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, ...]):
-    """Raw rows of blocks -> (codes uint8 [out, in], scales f32 [out, in/32], mins f32 [out, in/32], bits)."""
-    codes, scales, mins, bits = gguf_blocks.decode(type_name, raw, shape)
-    return torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(mins), bits
+    """Raw rows of blocks -> (codes uint8 [out, in], scales f32 [out, in/group], mins f32 [out, in/group],
+    bits); the group is 32, 16 for Q6_K (gguf_blocks.BLOCKS[type_name][3])."""
+    return _decode(type_name, raw, shape)[:4]
 
 
 def gguf_quant_linear(
@@ -43,13 +48,13 @@ def gguf_quant_linear(
     bias: torch.Tensor | None = None,
 ) -> QuantLinear:
     """One HF-named linear (e.g. model.layers.0.self_attn.q_proj) from its raw GGUF blocks."""
-    codes, scales, mins, bits = decode_blocks(type_name, raw, shape)
+    codes, scales, mins, bits, group = _decode(type_name, raw, shape)
     if registry.get(config.architecture).gguf_permuted_qk and (".q_proj" in name or ".k_proj" in name):
         heads = config.num_heads if ".q_proj" in name else config.num_kv_heads
         codes, scales, mins = (
             torch.from_numpy(unpermute_qk(t.numpy(), heads).copy()) for t in (codes, scales, mins)
         )
-    return QuantLinear.from_codes(codes, scales, mins, bits, BLOCK, bias, name)
+    return QuantLinear.from_codes(codes, scales, mins, bits, group, bias, name)
 
 
 def serve_gguf_natively(

@@ -17,8 +17,10 @@ static at::Tensor check_args(const at::Tensor& x, const at::Tensor& codes, const
   TORCH_CHECK(bits == 4 || bits == 8, "woq_avx2: bits must be 4 or 8");
   const int64_t M = x.size(0), K = x.size(1), panels = (N + kCols - 1) / kCols;
   TORCH_CHECK(M >= 1 && N >= 1, "woq_avx2: needs M >= 1 and N >= 1");
-  TORCH_CHECK(K % kBlock == 0 && group_size % kBlock == 0 && group_size > 0 && K % group_size == 0,
-              "woq_avx2: needs K and the group size multiples of 32, K a multiple of the group size");
+  TORCH_CHECK(K % kBlock == 0 && group_size > 0 && (group_size % kBlock == 0 || (bits == 8 && group_size == 16)) &&
+                  K % group_size == 0,
+              "woq_avx2: needs K a multiple of 32, the group size a multiple of 32 (or 16 with 8-bit codes), K a "
+              "multiple of the group size");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3 &&
                   codes.size(0) == panels && codes.size(1) == K / kBlock && codes.size(2) == bits * 32,
               "woq_avx2: codes do not match x's K, N and bits");
@@ -48,6 +50,7 @@ at::Tensor gemv_fp32(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                      const c10::optional<at::Tensor>& bias, int64_t bits, int64_t group_size, int64_t N) {
   const at::Tensor b = check_args(x, codes, scales, mins, bias, bits, group_size, N);
   TORCH_CHECK(x.size(0) == 1 && x.scalar_type() == at::kFloat, "woq_avx2: gemv_fp32 takes one float32 row");
+  TORCH_CHECK(group_size % kBlock == 0, "woq_avx2: gemv_fp32 takes groups that are multiples of 32");
   at::Tensor out = at::empty({1, N}, x.options());
   woq_avx2::gemv_fp32_into(x.data_ptr<float>(), x.size(1), codes.data_ptr<uint8_t>(), scales.data_ptr(),
                            mins.data_ptr(), scales.scalar_type() == at::kHalf, bits, group_size,

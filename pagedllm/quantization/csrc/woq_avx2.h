@@ -16,6 +16,14 @@
 // value 100x the rest of its block included). The fp32-activation gemv below is < 1e-5 (kept for
 // measurement, not used: slower).
 //
+// Group 16 (8-bit codes only: GGUF Q6_K's sub-blocks): the scale and min change in the middle of a
+// 32-input activation block, so the block's integer dot product is taken per 16-input half (vectors 0-3
+// and 4-7 below) and so is the activation codes' sum (quantize_row keeps d * sum(codes) per 16 as well),
+// each half then scaled by its own group's scale and min. x is rounded exactly as for the other groups
+// (per 32-block), so the contract is the same: the float32 reference on x rounded per 32-block, exact in
+// int32 up to the scaling and float32 up to summation order; the same bounds in tests/test_woq_avx2.py.
+// Every group that is a multiple of 32 runs the code it ran before (same instructions, same results).
+//
 // Layout (avx2.pack): output columns in panels of 8 (N padded to a multiple of 8 with zero codes/scales),
 // and within a panel each 32-k block is one contiguous run of codes:
 //   4-bit, 128 bytes a block: 4 vectors of 32 bytes; in vector v, byte 4c + i holds column c's codes for
@@ -45,8 +53,9 @@
 
 namespace woq_avx2 {
 
-constexpr int64_t kCols = 8;    // output columns a panel
-constexpr int64_t kBlock = 32;  // inputs an activation block (and the smallest group)
+constexpr int64_t kCols = 8;        // output columns a panel
+constexpr int64_t kBlock = 32;      // inputs an activation block (and the smallest group, kHalfGroup aside)
+constexpr int64_t kHalfGroup = 16;  // 8-bit codes also take groups of half a block (panel_kernel_g16)
 // Activation rows a micro-kernel runs against each unpacked weight vector: the unpacking (and for 8-bit
 // the |w|), the scale and min loads and the loop are shared by that many rows. One thread, CPU time,
 // GFLOP/s at M = 32 / 256 (576 -> 3072 Q4_1; 576 -> 8192 Q8_0):
@@ -112,13 +121,14 @@ inline int32_t hsum(__m256i v) {
 }
 
 // One row of x (float32 or bf16, K a multiple of 32) -> int8 codes q [K], block scales d [K/32] and
-// d * (sum of the block's codes) ds [K/32]. Round to nearest even (VCVTPS2DQ); an all-zero block gets d = 0.
+// d * (sum of the block's codes) ds [K/32]; with ds16 (else nullptr) also d * (sum of each 16-half's codes)
+// ds16 [K/16], for group 16. Round to nearest even (VCVTPS2DQ); an all-zero block gets d = 0.
 // The min term m * sum(x) takes d * sum(codes), the same rounded x as s * sum(q x): then the result is
 // exactly sum(w * x_rounded), and where s q and m nearly cancel (Q4_1, m ~ -8 s) their rounding errors
 // cancel too. Tried: the block's exact float sum for the min term, which left s * sum(q * error) uncancelled
 // (bf16 GGUF logits against the dequantized model moved from mean 0.52 to past 0.8, greedy changed).
 template <typename T>
-inline void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* ds) {
+inline void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* ds, float* ds16 = nullptr) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
   for (int64_t b = 0; b < K / kBlock; ++b) {
@@ -141,15 +151,21 @@ inline void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* ds) 
     const float scale = am / 127.f;
     d[b] = scale;
     ds[b] = scale * float(hsum(sum));
+    if (ds16) {  // v[0], v[1] are k 0..15 of the block, v[2], v[3] k 16..31
+      ds16[2 * b] = scale * float(hsum(_mm256_add_epi32(i[0], i[1])));
+      ds16[2 * b + 1] = scale * float(hsum(_mm256_add_epi32(i[2], i[3])));
+    }
   }
 }
 
-// x quantized per 32-block: codes [M, K], scales and scaled sums [M, K/32]
+// x quantized per 32-block: codes [M, K], scales and scaled sums [M, K/32]; for group 16 the scaled sums
+// per 16 [M, K/16] (else nullptr)
 struct QuantizedX {
   const int8_t* q;
   const float* d;
   const float* ds;
   int64_t K;
+  const float* ds16 = nullptr;
 };
 
 // R rows (row0..row0+R-1) of x times one panel of 8 columns over the whole K, into res[R][8] (float32,
@@ -229,15 +245,71 @@ inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(res[r], acc[r]);
 }
 
-// panel_kernel for `rows` (1..kRows<BITS>) rows
-template <int BITS, typename S, int R = 1>
+// panel_kernel for group 16 (8-bit codes only: GGUF Q6_K), two groups a block. The int32 sums of vectors
+// 0-3 (k 0..15) are scaled with the first group's scale and min (and the first half's code sum) as soon as
+// they are complete, then vectors 4-7 start fresh sums for the second group: the same registers, and a
+// convert, a multiply and two FMAs more a block and row than panel_kernel<8>.
+template <int R, typename S>
+inline void panel_kernel_g16(const QuantizedX& a, int64_t row0, const uint8_t* codes, const S* sc, const S* mn,
+                             int64_t prefetch_groups, float (*res)[kCols]) {
+  constexpr int64_t kBlockBytes = 256;
+  const int64_t K = a.K, nb = K / kBlock;
+  const int8_t* xq[R];
+  const float* xd[R];
+  const float* xds[R];
+  for (int r = 0; r < R; ++r) {
+    xq[r] = a.q + (row0 + r) * K;
+    xd[r] = a.d + (row0 + r) * nb;
+    xds[r] = a.ds16 + (row0 + r) * 2 * nb;
+  }
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256 k128 = _mm256_set1_ps(128.f);
+  for (int64_t b = 0; b < nb; ++b) {
+    _mm_prefetch(reinterpret_cast<const char*>(sc + (2 * b + prefetch_groups) * kCols), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(mn + (2 * b + prefetch_groups) * kCols), _MM_HINT_T0);
+    const uint8_t* c = codes + b * kBlockBytes;
+    for (int64_t line = 0; line < kBlockBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchBytes + line), _MM_HINT_T0);
+    __m256i isum[R];
+    for (int h = 0; h < 2; ++h) {
+      const int64_t g = 2 * b + h;
+      for (int j = 4 * h; j < 4 * h + 4; ++j) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * j));
+        const __m256i aw = _mm256_abs_epi8(w);
+        for (int r = 0; r < R; ++r) {
+          const __m256i xs = _mm256_sign_epi8(bcast4(xq[r] + b * kBlock + 4 * j), w);
+          const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones);
+          isum[r] = j == 4 * h ? t : _mm256_add_epi32(isum[r], t);
+        }
+      }
+      // 8-bit codes are stored as q - 128: s q + m = s (q - 128) + (m + 128 s)
+      const __m256 s = load8(sc + g * kCols);
+      const __m256 m = _mm256_fmadd_ps(k128, s, load8(mn + g * kCols));
+      for (int r = 0; r < R; ++r) {
+        const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(xd[r][b]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xds[r][g]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(res[r], acc[r]);
+}
+
+// panel_kernel (panel_kernel_g16 for HALF: group 16) for `rows` (1..kRows<BITS>) rows
+template <int BITS, typename S, bool HALF = false, int R = 1>
 inline void dispatch_rows(int rows, const QuantizedX& a, int64_t row0, const uint8_t* codes, const S* sc,
                           const S* mn, int64_t group_blocks, int64_t prefetch_groups, float (*res)[kCols]) {
   if constexpr (R < kRows<BITS>) {
     if (rows != R)
-      return dispatch_rows<BITS, S, R + 1>(rows, a, row0, codes, sc, mn, group_blocks, prefetch_groups, res);
+      return dispatch_rows<BITS, S, HALF, R + 1>(rows, a, row0, codes, sc, mn, group_blocks, prefetch_groups,
+                                                 res);
   }
-  panel_kernel<BITS, R, S>(a, row0, codes, sc, mn, group_blocks, prefetch_groups, res);
+  if constexpr (HALF)
+    panel_kernel_g16<R, S>(a, row0, codes, sc, mn, prefetch_groups, res);
+  else
+    panel_kernel<BITS, R, S>(a, row0, codes, sc, mn, group_blocks, prefetch_groups, res);
 }
 
 // float32 -> bf16, round to nearest even (as torch's .to(bfloat16), NaN aside)
@@ -270,15 +342,16 @@ inline void store_tile(const float (*res)[kCols], int R, int64_t row0, int64_t p
 }
 
 // Panels [p_begin, p_end) for all M rows: strip by strip (kStripBytes of codes), every kRows-row block of x
-// over a strip before the next.
-template <int BITS, typename S, typename T>
+// over a strip before the next. HALF: group 16 (8-bit codes), two groups a block.
+template <int BITS, typename S, typename T, bool HALF = false>
 void run_panels(const QuantizedX& a, int64_t M, const uint8_t* codes, const S* sc, const S* mn, int64_t group_size,
                 const float* bias, int64_t N, T* out, int64_t p_begin, int64_t p_end) {
   constexpr int64_t kBlockBytes = BITS == 4 ? 128 : 256;
-  const int64_t nb = a.K / kBlock, groups = a.K / group_size, group_blocks = group_size / kBlock;
+  const int64_t nb = a.K / kBlock, groups = a.K / group_size, group_blocks = HALF ? 1 : group_size / kBlock;
   const int64_t panel_bytes = nb * kBlockBytes;
   const int64_t strip = std::max<int64_t>(1, kStripBytes / panel_bytes);
-  const int64_t prefetch_groups = std::max<int64_t>(1, kPrefetchBytes / kBlockBytes / group_blocks);
+  const int64_t prefetch_groups =
+      HALF ? 2 * (kPrefetchBytes / kBlockBytes) : std::max<int64_t>(1, kPrefetchBytes / kBlockBytes / group_blocks);
   alignas(32) float res[kMaxRows][kCols];
   for (int64_t ps = p_begin; ps < p_end; ps += strip) {
     const int64_t pe = std::min(ps + strip, p_end);
@@ -288,7 +361,7 @@ void run_panels(const QuantizedX& a, int64_t M, const uint8_t* codes, const S* s
         const uint8_t* c = codes + p * panel_bytes;
         const S* s = sc + p * groups * kCols;
         const S* m = mn + p * groups * kCols;
-        dispatch_rows<BITS, S>(R, a, r0, c, s, m, group_blocks, prefetch_groups, res);
+        dispatch_rows<BITS, S, HALF>(R, a, r0, c, s, m, group_blocks, prefetch_groups, res);
         store_tile<T>(res, R, r0, p, bias, N, out);
       }
     }
@@ -296,21 +369,25 @@ void run_panels(const QuantizedX& a, int64_t M, const uint8_t* codes, const S* s
 }
 
 // out [M, N] = x [M, K] (float32 or bf16, rows K apart) @ W^T (+ bias float32 [N] or nullptr), W in the
-// layout above. Threads (torch's pool) split the panels; each task at least ~16 KB of codes x rows.
+// layout above (group_size a multiple of 32, or 16 with 8-bit codes). Threads (torch's pool) split the
+// panels; each task at least ~16 KB of codes x rows.
 template <typename T>
 void matmul_into(const T* x, int64_t M, int64_t K, const uint8_t* codes, const void* scales, const void* mins,
                  bool half_scales, int64_t bits, int64_t group_size, const float* bias, int64_t N, T* out) {
   const int64_t nb = K / kBlock, panels = (N + kCols - 1) / kCols;
-  // the quantized activations: K + 8 K/32 bytes a row, reused by every panel
+  const bool half = group_size == kHalfGroup;
+  // the quantized activations: K + 8 K/32 bytes a row (+ 8 K/32 for group 16), reused by every panel
   static thread_local std::vector<int8_t> q_buf;
   static thread_local std::vector<float> d_buf;
   q_buf.resize(M * K);
-  d_buf.resize(2 * M * nb);
-  const QuantizedX a{q_buf.data(), d_buf.data(), d_buf.data() + M * nb, K};
+  d_buf.resize((half ? 4 : 2) * M * nb);
   int8_t* q = q_buf.data();
   float* d = d_buf.data();
+  float* ds16 = half ? d + 2 * M * nb : nullptr;
+  const QuantizedX a{q, d, d + M * nb, K, ds16};
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) quantize_row(x + r * K, K, q + r * K, d + r * nb, d + M * nb + r * nb);
+    for (int64_t r = begin; r < end; ++r)
+      quantize_row(x + r * K, K, q + r * K, d + r * nb, d + M * nb + r * nb, half ? ds16 + 2 * r * nb : nullptr);
   });
   const int64_t panel_work = nb * (bits == 4 ? 128 : 256) * M;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / panel_work);
@@ -319,6 +396,8 @@ void matmul_into(const T* x, int64_t M, int64_t K, const uint8_t* codes, const v
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       if (bits == 4)
         run_panels<4, S, T>(a, M, codes, sc, mn, group_size, bias, N, out, begin, end);
+      else if (half)
+        run_panels<8, S, T, true>(a, M, codes, sc, mn, group_size, bias, N, out, begin, end);
       else
         run_panels<8, S, T>(a, M, codes, sc, mn, group_size, bias, N, out, begin, end);
     });
