@@ -6,7 +6,7 @@ checkpoints written by transformers (4 KV heads split 2 + 2; 1 KV head replicate
 split 2 + 1; q/k/v bias, tied embeddings and a vocabulary that does not split evenly) and on the default
 model (3 KV heads split 2 + 1), through the offline API and the server; int8 weights too (up to the int8
 activation rounding's drift: test_int8_weights_under_tp2). A killed worker ends the engine with an error at
-once.
+once. Speculative decoding under tensor parallelism: test_spec_decode_tp.py.
 """
 
 from __future__ import annotations
@@ -231,9 +231,7 @@ def _alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
-def test_refused_combinations_and_bad_sizes_are_one_line_exit_2():
-    with pytest.raises(InputError, match="speculative decoding"):
-        LLM(model="default", tensor_parallel_size=2, speculative_config={"method": "ngram"})
+def test_bad_sizes_are_one_line_exit_2():
     for bad, words in (("0", "tensor_parallel_size must be at least 1"), ("4", "must divide evenly")):
         proc = subprocess.run(
             [

@@ -11,23 +11,22 @@ import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedllm import ops, planner, platform
 from pagedllm.attention.kv_quant import KV_QUANT_DTYPES, kv_cache_bytes_per_token, resolve_kv_cache_dtype
-from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.distributed.partition import head_shards
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.kv_view import KVCacheView
 from pagedllm.errors import InputError
-from pagedllm.executor.multiproc import MultiprocExecutor, default_threads
-from pagedllm.executor.uniproc import UniProcExecutor
+from pagedllm.executor import Executor, make_executor
 from pagedllm.executor.worker import WorkerConfig
-from pagedllm.model.build import build_model, resolve_quantization
-from pagedllm.model.fuse import fuse_for_inference
+from pagedllm.model.build import resolve_quantization
 from pagedllm.model.loader import read_model_config, resolve_model_path
 from pagedllm.model.tensor_parallel import check_shardable
 from pagedllm.model.tokenizer import Tokenizer
@@ -39,7 +38,9 @@ from pagedllm.spec_decode.draft_model import DraftModelProposer, load_draft_mode
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.units import format_size, parse_size
-from pagedllm.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
 
@@ -69,6 +70,41 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     if dtype not in DTYPES:
         raise InputError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}", param="dtype")
     return DTYPES[dtype]
+
+
+def _largest_rank_kv_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
+    """cfg with the KV heads of the rank that holds the most: every rank gets as many blocks, so that rank
+    decides how many fit the (per-rank) budget. head_shards refuses a split that cannot be made."""
+    shards = head_shards(cfg.num_heads, cfg.num_kv_heads, tp_size)
+    return replace(cfg, num_kv_heads=max(s.num_kv_heads for s in shards))
+
+
+def _num_kv_blocks(
+    num_kv_blocks: int | None, kv_cache_memory: str | int | None, block_size: int, per_tokens: list[int]
+) -> int:
+    """num_kv_blocks as given, else as many blocks as kv_cache_memory holds, a block costing every model's
+    bytes a token in per_tokens (the target's, and a draft model's beside it)."""
+    if num_kv_blocks is None:
+        memory = parse_size(
+            kv_cache_memory if kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY,
+            param="kv_cache_memory",
+        )
+        num_kv_blocks = planner.num_blocks_for(memory, block_size, per_tokens)
+    if num_kv_blocks < 1:
+        raise InputError(
+            "KV cache holds no block: raise kv_cache_memory or num_kv_blocks", param="num_kv_blocks"
+        )
+    return num_kv_blocks
+
+
+def _context_length(max_model_len: int | None, max_positions: int, kv_tokens: int) -> int:
+    """max_model_len (the model's positions when None) within the model's positions and the KV cache: a
+    request may never need more blocks than the pool has, so the context shrinks to fit."""
+    length = min(max_model_len or max_positions, max_positions)
+    if kv_tokens < length:
+        logger.warning("max_model_len %d exceeds the KV cache (%d tokens); capping it", length, kv_tokens)
+        return kv_tokens
+    return length
 
 
 @dataclass
@@ -127,7 +163,8 @@ class LLMEngine:
         tensor_parallel_size: int = 1,
     ):
         """tensor_parallel_size: the model split over that many worker processes on this machine
-        (executor/multiproc.py; gloo); 1 runs it in this process."""
+        (executor/multiproc.py; gloo); 1 runs it in this process. Either way this process reads only the
+        model's config and sizes the KV cache from it; the executor loads the weights (make_executor)."""
         # check every option before the (slow) model load, so a typo fails at once
         for name, value in (
             ("block_size", block_size),
@@ -143,110 +180,54 @@ class LLMEngine:
         kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         if kv_cache_memory is not None:
             parse_size(kv_cache_memory, param="kv_cache_memory")
-        self.speculative_config = SpeculativeConfig.parse(speculative_config)
-        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
-            resolve_draft_model(self.speculative_config)
+        self.speculative_config = spec = SpeculativeConfig.parse(speculative_config)
+        if spec is not None and spec.method == "draft_model":
+            resolve_draft_model(spec)
         torch.manual_seed(seed)
-        path = resolve_model_path(model)
-        self.model_path = path
+        self.model_path = path = resolve_model_path(model)
         ops.table()  # every kernel this machine's op table picks is built now, never inside a request
         self.quantization = resolve_quantization(path, quantization)
         self.tensor_parallel_size = tensor_parallel_size
-        if tensor_parallel_size > 1:
-            if self.speculative_config is not None:
-                raise InputError(
-                    "speculative decoding does not run with tensor_parallel_size > 1 yet",
-                    param="speculative_config",
-                )
-            # the workers load the model; this process needs its shape only
-            self.model, self.model_config = None, read_model_config(path)
-            cfg = self.model_config
-            shards = head_shards(cfg.num_heads, cfg.num_kv_heads, tensor_parallel_size)  # refuses early
-            check_shardable(cfg, tensor_parallel_size)  # and what model/tensor_parallel.py cannot split
-        else:
-            self.model, self.model_config = build_model(path, self.dtype, self.quantization, show_progress)
-            fuse_for_inference(self.model)
-        cfg = self.model_config
+        self.model_config = cfg = read_model_config(path)
+        kv_cfg = _largest_rank_kv_config(cfg, tensor_parallel_size)  # refuses a split that cannot be made
+        check_shardable(cfg, tensor_parallel_size)  # and what model/tensor_parallel.py cannot split
         self.tokenizer = Tokenizer.from_checkpoint(path)
-        spec = self.speculative_config
         draft = None
         if spec is not None and spec.method == "draft_model":
             draft = load_draft_model(spec, self.dtype, self.tokenizer, show_progress)
 
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        # under tensor parallelism the rank with the most KV heads decides how many blocks fit its budget
-        kv_cfg = cfg if tensor_parallel_size == 1 else replace(cfg, num_kv_heads=max(s.num_kv_heads for s in shards))
-        per_token = self._kv_bytes_per_token(kv_cfg, kv_dtype)
-        self.kv_bytes_per_token = per_token
-        # a draft model's KV sits beside the target's, block for block: each block costs both
-        per_tokens = (
-            [per_token] if draft is None else [per_token, self._kv_bytes_per_token(draft[1], kv_dtype)]
+        self.kv_bytes_per_token = self._kv_bytes_per_token(kv_cfg, kv_dtype)
+        # a draft model's KV sits beside the target's, block for block: each block costs both (under
+        # tensor parallelism the draft's is in this process, and each rank's budget still counts it)
+        per_tokens = [self.kv_bytes_per_token]
+        if draft is not None:
+            per_tokens.append(self._kv_bytes_per_token(draft[1], kv_dtype))
+        self.kv_block_bytes = planner.block_bytes(block_size, sum(per_tokens))
+        num_kv_blocks = _num_kv_blocks(num_kv_blocks, kv_cache_memory, block_size, per_tokens)
+        self.max_model_len = _context_length(
+            max_model_len, cfg.max_position_embeddings, num_kv_blocks * block_size
         )
-        block_bytes = planner.block_bytes(block_size, sum(per_tokens))
-        self.kv_block_bytes = block_bytes
-        if num_kv_blocks is None:
-            memory = parse_size(
-                kv_cache_memory if kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY,
-                param="kv_cache_memory",
-            )
-            num_kv_blocks = planner.num_blocks_for(memory, block_size, per_tokens)
-        if num_kv_blocks < 1:
-            raise InputError(
-                "KV cache holds no block: raise kv_cache_memory or num_kv_blocks", param="num_kv_blocks"
-            )
-        if num_kv_blocks * block_size < self.max_model_len:
-            # a request may never need more blocks than the pool has: the context shrinks to fit
-            logger.warning(
-                "max_model_len %d exceeds the KV cache (%d tokens); capping it",
-                self.max_model_len,
-                num_kv_blocks * block_size,
-            )
-            self.max_model_len = num_kv_blocks * block_size
         # every layer windowed: a request's blocks before its window go back to the pool as it moves on
         window = cfg.sliding_window if cfg.all_layers_sliding else None
-        self.cache_config = CacheConfig(block_size, num_kv_blocks, kv_cache_dtype, enable_prefix_caching, window)
+        self.cache_config = CacheConfig(
+            block_size, num_kv_blocks, kv_cache_dtype, enable_prefix_caching, window
+        )
         self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
-        if tensor_parallel_size > 1:
-            self.runner = None
-            self.executor = MultiprocExecutor(
-                WorkerConfig(
-                    str(path),
-                    self.dtype,
-                    self.quantization,
-                    self.cache_config,
-                    tensor_parallel_size,
-                    "",
-                    default_threads(tensor_parallel_size),
-                    seed,
-                )
-            )
-        else:
-            self.runner = ModelRunner(self.model, cfg, self.cache_config, self.dtype)
-            self.executor = UniProcExecutor(self.runner)
-        self.proposer = None
-        self.spec_decoding_stats: SpecDecodingStats | None = None
-        if spec is not None:
-            if spec.method == "ngram":
-                self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-            else:
-                self.proposer = DraftModelProposer(*draft, self.cache_config, self.dtype)
-            self.spec_decoding_stats = SpecDecodingStats(
-                num_accepted_tokens_per_pos=[0] * spec.num_speculative_tokens
-            )
-            self._acceptance = AcceptanceTracker()
-            if spec.draft_budget == "off":  # rows are free: every proposal is verified
-                self.step_cost = StepCost.linear(fixed=1.0, per_row=0.0)
-            else:
-                self.step_cost = StepCost.measure(self.runner, self.scheduler.kv_cache_manager)
-            self.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
+        self.executor: Executor = make_executor(
+            WorkerConfig(
+                str(path), self.dtype, self.quantization, self.cache_config, tensor_parallel_size, seed
+            ),
+            show_progress,
+        )
+        self._start_speculation(draft)
         tokens = num_kv_blocks * block_size
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%s); max concurrency at %d tokens: %.2f x",
             num_kv_blocks,
             block_size,
             tokens,
-            format_size(num_kv_blocks * block_bytes),
+            format_size(num_kv_blocks * self.kv_block_bytes),
             self.max_model_len,
             tokens / self.max_model_len,
         )
@@ -258,6 +239,41 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, _Group] = {}
         self.kv_view: KVCacheView | None = None  # only while someone watches (open_kv_view)
+
+    def _start_speculation(self, draft: tuple | None) -> None:
+        """The proposer (on this process's token ids, or the draft model loaded here), its counters, and
+        the step cost the draft budget weighs rows by: measured through the executor (every rank's step
+        under tensor parallelism) before any request, or free rows under draft_budget "off"."""
+        spec = self.speculative_config
+        self.proposer: NgramProposer | DraftModelProposer | None = None
+        self.spec_decoding_stats: SpecDecodingStats | None = None
+        if spec is None:
+            return
+        if spec.method == "ngram":
+            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        else:
+            self.proposer = DraftModelProposer(*draft, self.cache_config, self.dtype)
+        self.spec_decoding_stats = SpecDecodingStats(
+            num_accepted_tokens_per_pos=[0] * spec.num_speculative_tokens
+        )
+        self._acceptance = AcceptanceTracker()
+        if spec.draft_budget == "off":  # rows are free: every proposal is verified
+            self.step_cost = StepCost.linear(fixed=1.0, per_row=0.0)
+        else:
+            self.step_cost = StepCost.measure(self.executor, self.scheduler.kv_cache_manager)
+        self.scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
+
+    @property
+    def runner(self) -> ModelRunner | None:
+        """The model runner when it runs in this process (tensor_parallel_size 1), else None: for tests and
+        profiling scripts; the engine itself only talks to self.executor."""
+        return getattr(self.executor, "runner", None)
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The model when it runs in this process, else None (tensor parallelism: the workers hold it)."""
+        runner = self.runner
+        return None if runner is None else runner.model
 
     @staticmethod
     def _kv_bytes_per_token(cfg, kv_dtype) -> int:

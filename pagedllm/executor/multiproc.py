@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import weakref
+from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
@@ -57,7 +58,11 @@ def _start_worker(rank: int) -> tuple[subprocess.Popen, Connection]:
 class MultiprocExecutor:
     def __init__(self, config: WorkerConfig):
         self.tp_size = config.tp_size
-        config.init_method = f"tcp://127.0.0.1:{_free_port()}"
+        config = replace(
+            config,
+            num_threads=config.num_threads or default_threads(config.tp_size),
+            init_method=f"tcp://127.0.0.1:{_free_port()}",
+        )
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         for rank in range(self.tp_size):

@@ -17,43 +17,52 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from pagedllm import ops
 from pagedllm.config import CacheConfig
+from pagedllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from pagedllm.model.build import load_model_for_inference
+from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("pagedllm")
 
 
 @dataclass
 class WorkerConfig:
-    """All a worker needs to build its shard: picklable."""
+    """All an executor needs to build its model runner (or a worker its rank's): picklable."""
 
     model_path: str
     dtype: torch.dtype
     quantization: str | None
     cache_config: CacheConfig
-    tp_size: int
-    init_method: str  # tcp://127.0.0.1:PORT, where the ranks meet
-    num_threads: int
+    tp_size: int = 1
     seed: int = 0
+    num_threads: int = 0  # each rank's torch threads (MultiprocExecutor sets them)
+    init_method: str = ""  # tcp://127.0.0.1:PORT, where the ranks meet (MultiprocExecutor sets it)
+
+
+def make_runner(config: WorkerConfig, rank: int = 0, show_progress: bool = False) -> ModelRunner:
+    """Rank `rank`'s model runner: its share of the model, loaded for inference, and its KV cache. The
+    same code on every rank and in the engine's own process (tp_size 1), so a step, verify rows of draft
+    tokens included, is prepared and run alike everywhere; only rank 0 samples."""
+    model, local_config = load_model_for_inference(
+        config.model_path,
+        config.dtype,
+        config.quantization,
+        tp_rank=rank,
+        tp_size=config.tp_size,
+        show_progress=show_progress,
+    )
+    return ModelRunner(model, local_config, config.cache_config, config.dtype, samples=rank == 0)
 
 
 def run_worker(rank: int, config: WorkerConfig, conn: Connection) -> None:
     """The worker process's main function."""
-    from pagedllm import ops
-    from pagedllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
-    from pagedllm.model.build import build_model
-    from pagedllm.model.fuse import fuse_for_inference
-    from pagedllm.model.tensor_parallel import shard_model
-    from pagedllm.worker.model_runner import ModelRunner
-
     try:
         torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         init_tensor_parallel(rank, config.tp_size, config.init_method)
         ops.table()
-        model, model_config = build_model(config.model_path, config.dtype, config.quantization, False)
-        local = shard_model(model, model_config, rank, config.tp_size)
-        fuse_for_inference(model)
-        runner = ModelRunner(model, local, config.cache_config, config.dtype, samples=rank == 0)
+        runner = make_runner(config, rank)
         conn.send(("ready", None))
     except BaseException as e:  # noqa: BLE001 - reported to the engine, which raises it
         conn.send(("error", f"rank {rank} failed to start: {e!r}\n{traceback.format_exc()}"))

@@ -1,4 +1,6 @@
-"""From a checkpoint path to a ready model: load weights, build the decoder, quantize if asked.
+"""From a checkpoint path to a model: load weights, build the decoder, quantize if asked (build_model, a
+float or quantized model in the checkpoint's layout, what the quantize CLI and perplexity want), and
+on to the one that serves (load_model_for_inference: that, cut to a tensor-parallel rank's share, fused).
 
 quantization (the engine's "auto" is resolved first, resolve_quantization):
   None        the checkpoint's weights in `dtype` (a GGUF is dequantized: `--quantization none`);
@@ -17,8 +19,14 @@ import torch
 
 from pagedllm.config import ModelConfig
 from pagedllm.errors import InputError
+from pagedllm.model.classes import model_class
+from pagedllm.model.fuse import fuse_for_inference
 from pagedllm.model.llama import LlamaForCausalLM
-from pagedllm.model.loader import load_checkpoint, registry
+from pagedllm.model.loader import load_checkpoint
+from pagedllm.model.quantized_checkpoint import load_quantized, read_quantization_config
+from pagedllm.model.tensor_parallel import shard_model
+from pagedllm.quantization.linear import QuantLinear
+from pagedllm.quantization.model import resident_weight_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -30,15 +38,6 @@ RTN_SCHEMES: dict[str, tuple[int, int | None]] = {
     "int4-g64": (4, 64),
     "int4-g128": (4, 128),
 }
-# registry.Architecture.model_class -> the class; every family is one Llama-family definition today
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {"LlamaForCausalLM": LlamaForCausalLM}
-
-
-def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
-    """The class that builds a model of `config`'s architecture (its registry entry names it)."""
-    return MODEL_CLASSES[registry.get(config.architecture).model_class]
-
-
 QUANTIZATION_CHOICES = (*RTN_SCHEMES, "gguf")
 ENGINE_QUANTIZATION_CHOICES = ("auto", "none", *QUANTIZATION_CHOICES)
 
@@ -70,10 +69,9 @@ def resolve_quantization(path: Path, quantization: str | None) -> str | None:
 def build_model(
     path: Path, dtype: torch.dtype, quantization: str | None = None, show_progress: bool = True
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The checkpoint's model in `dtype`, quantized as asked, in the checkpoint's layout (unfused): what
+    the quantizers and perplexity work on. A server's model comes from load_model_for_inference."""
     check_quantization(quantization)
-    from pagedllm.model.quantized_checkpoint import load_quantized, read_quantization_config
-    from pagedllm.quantization.model import resident_weight_bytes
-
     if Path(path).is_dir() and read_quantization_config(path) is not None:
         if quantization is not None:
             raise InputError(
@@ -102,12 +100,28 @@ def build_model(
             bits, group_size = RTN_SCHEMES[quantization]
             # quantize the checkpoint's float32 weights, not their dtype-rounded copies in the model
             quantize_model(model, bits, group_size, show_progress=show_progress, source_weights=ckpt.weights)
-    if quantization is not None or any(True for _ in _quant_layers(model)):
+    if quantization is not None or any(isinstance(m, QuantLinear) for m in model.modules()):
         logger.info("resident weights: %.1f MiB", resident_weight_bytes(model) / 2**20)
     return model, config
 
 
-def _quant_layers(model: torch.nn.Module):
-    from pagedllm.quantization.linear import QuantLinear
+def load_model_for_inference(
+    path: Path | str,
+    dtype: torch.dtype,
+    quantization: str | None,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    show_progress: bool = True,
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The model that serves, in the one order that works: load (and quantize), cut to rank `tp_rank`'s
+    share when tp_size > 1 (shard_model cuts the checkpoint's q/k/v and gate/up, so it runs before they
+    are merged), then fuse (merge, prepack, build the quantized kernels' layouts and the decode stack).
 
-    return (m for m in model.modules() if isinstance(m, QuantLinear))
+    The config returned is what the rank holds, which sizes its ModelRunner's KV cache: the whole model's
+    when tp_size is 1, else the rank's local one (its share of the query and KV heads)."""
+    model, config = build_model(Path(path), dtype, quantization, show_progress)
+    if tp_size > 1:
+        config = shard_model(model, config, tp_rank, tp_size)
+    fuse_for_inference(model)
+    return model, config

@@ -1,11 +1,12 @@
 """The inference layout of a loaded model: q/k/v and gate/up merged, bf16 weights prepacked for oneDNN.
 
 Loaders, quantizers (AWQ, GPTQ, RTN) and quantized checkpoints all speak the checkpoint's names
-(q_proj, k_proj, v_proj, gate_proj, up_proj), so the model is built that way. Once it is final, the
-engine calls `fuse_for_inference`: each layer then runs 4 matmuls instead of 7 (one [960 x 576] call
-for q/k/v and one [3072 x 576] for gate/up on the default model), which on 2 CPU cores saves the fixed
-cost of 90 oneDNN calls a step, and bf16 weights are reordered once (layers/packed_linear.py) instead
-of on every call. Outputs are the same rows of the same products, only computed together.
+(q_proj, k_proj, v_proj, gate_proj, up_proj), so the model is built that way. Once it is final (and cut
+to its tensor-parallel share), build.load_model_for_inference calls `fuse_for_inference`: each layer
+then runs 4 matmuls instead of 7 (one [960 x 576] call for q/k/v and one [3072 x 576] for gate/up on
+the default model), which on 2 CPU cores saves the fixed cost of 90 oneDNN calls a step, and bf16
+weights are reordered once (layers/packed_linear.py) instead of on every call. Outputs are the same
+rows of the same products, only computed together.
 Merged quantized layers get their kernel layouts built (quantization/linear.py, pack), and where every
 decoder linear is prepacked bf16 or in the AMX layout, decode steps and fresh prefills run all layers in
 one C++ call (decode_stack.py).

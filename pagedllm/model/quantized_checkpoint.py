@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 
 from pagedllm.config import ModelConfig
 from pagedllm.errors import InputError
+from pagedllm.model.classes import model_class
 from pagedllm.model.llama import LlamaForCausalLM, rotary_embeddings
 from pagedllm.model.loader import moe, registry
 from pagedllm.model.loader.hf_config import read_hf_config
@@ -209,8 +210,6 @@ def load_quantized(
     if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
         raise InputError(f"{path}: quantization_config bits {bits!r} is not a width 2..8", param="model")
     tensors = _read_tensors(path)
-    from pagedllm.model.build import model_class
-
     with torch.device("meta"):
         model = model_class(config)(config)
     quantized = sorted(n[: -len(".qweight")] for n in tensors if n.endswith(".qweight"))

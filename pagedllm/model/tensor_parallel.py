@@ -1,4 +1,5 @@
-"""Cut a loaded model down to one tensor-parallel rank's share, in place, before fuse_for_inference.
+"""Cut a loaded model down to one tensor-parallel rank's share, in place, before fuse_for_inference
+(build.load_model_for_inference runs the two in that order).
 
 Megatron's split, as vLLM does it: q/k/v and gate/up are column-parallel (each rank keeps the output rows
 of its heads and of its part of the intermediate size), o and down are row-parallel (each keeps the

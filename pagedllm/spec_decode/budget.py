@@ -8,8 +8,9 @@ added best first while their yield per second beats the step's: single-stream co
 batch of 32 already compute-bound takes only near-certain guesses, so speculation never makes a step
 yield fewer tokens a second than it would without (the W32 case).
 
-The step cost is measured once at start-up at 1, 2, 4, 8 and 16 rows (StepCost.measure); each request's acceptance is estimated
-from its own verifications over the engine-wide rate (AcceptanceTracker).
+The step cost is measured once at start-up at 1, 2, 4, 8 and 16 rows (StepCost.measure, through the
+executor); each request's acceptance is estimated from its own verifications over the engine-wide rate
+(AcceptanceTracker).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler_output import RunnerSync
+from pagedllm.executor import Executor
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
@@ -50,10 +52,16 @@ class StepCost:
 
     @classmethod
     def measure(
-        cls, runner, kv: KVCacheManager, rows: tuple[int, ...] = (1, 2, 4, 8, 16), repeats: int = 3
+        cls,
+        executor: Executor,
+        kv: KVCacheManager,
+        rows: tuple[int, ...] = (1, 2, 4, 8, 16),
+        repeats: int = 3,
     ) -> StepCost:
-        """Time decode steps of each row count of one-token contexts through the runner (before any
-        request: it borrows blocks and gives them back); the median of `repeats` after a first call."""
+        """Time decode steps of each row count of one-token contexts through the executor, as the engine's
+        steps run (in this process, or on every tensor-parallel rank with the pickling and collectives
+        included), before any request: it borrows blocks and gives them back; the median of `repeats`
+        after a first call."""
         counts, times = [], []
         sync = RunnerSync()
         for m in rows:
@@ -69,16 +77,16 @@ class StepCost:
                 r.num_computed_tokens = 1
             # sent whole every time (the runner replaces its record), so the same step can run again
             step = sync.build(reqs, {r.request_id: 1 for r in reqs})
-            runner.execute_model(step)  # first calls set up primitives
+            executor.execute_model(step)  # first calls set up primitives
             samples = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                runner.execute_model(step)
+                executor.execute_model(step)
                 samples.append(time.perf_counter() - start)
             for r in reqs:
                 kv.free(r)
                 sync.finish(r.request_id)
-            runner.execute_model(sync.build([], {}))  # the runner drops its records of them
+            executor.execute_model(sync.build([], {}))  # the runner drops its records of them
             counts.append(m)
             # a step of more rows never costs less (noise can say otherwise)
             times.append(max(statistics.median(samples), times[-1] if times else 0.0))

@@ -18,8 +18,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler_output import RunnerSync
 from pagedllm.errors import InputError
-from pagedllm.model.build import build_model, resolve_quantization
-from pagedllm.model.fuse import fuse_for_inference
+from pagedllm.model.build import load_model_for_inference, resolve_quantization
 from pagedllm.model.loader import resolve_model_path
 from pagedllm.model.tokenizer import Tokenizer
 from pagedllm.sampling_params import SamplingParams
@@ -40,10 +39,10 @@ def resolve_draft_model(config: SpeculativeConfig):
 def load_draft_model(
     config: SpeculativeConfig, dtype: torch.dtype, target_tokenizer: Tokenizer, show_progress: bool
 ):
-    """(model, its ModelConfig), checked to share the target's vocabulary token for token."""
+    """(model, its ModelConfig), checked to share the target's vocabulary token for token. Whole, in the
+    engine's process, under tensor parallelism too: a draft is small, and its proposals are token ids."""
     path, quantization = resolve_draft_model(config)
-    model, model_config = build_model(path, dtype, quantization, show_progress)
-    fuse_for_inference(model)
+    model, model_config = load_model_for_inference(path, dtype, quantization, show_progress=show_progress)
     draft_vocab = Tokenizer.from_checkpoint(path).hf.get_vocab()
     if draft_vocab != target_tokenizer.hf.get_vocab():
         raise InputError(

@@ -33,7 +33,7 @@ class Architecture:
     hf_architectures: tuple[str, ...]  # config.json "architectures"[0]; the first is written back
     hf_model_type: str  # config.json "model_type", used when "architectures" is absent
     gguf_architecture: str | None  # a GGUF file's general.architecture; None: no GGUF files
-    model_class: str = "LlamaForCausalLM"  # the class in model/ that builds it (build.py's MODEL_CLASSES)
+    model_class: str = "LlamaForCausalLM"  # the class in model/ that builds it (model/classes.py's MODEL_CLASSES)
     qkv_bias: bool = False  # q/k/v always have a bias (Qwen2); otherwise config attention_bias decides
     o_bias_with_attention_bias: bool = True  # config attention_bias covers o_proj too (Llama, Qwen3)
     qk_norm: bool = False  # an RMSNorm over each head's q and k, before rotary (Qwen3)
