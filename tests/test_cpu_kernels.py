@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from pagedllm import ops as op_table
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.attention.paged import decode_torch, write_kv
+from pagedllm.attention.paged import decode_torch
 from pagedllm.model.layers.norm import RMSNorm
 from pagedllm.model.layers.rotary import RotaryEmbedding, apply_rotary
 

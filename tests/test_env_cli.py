@@ -71,10 +71,10 @@ def test_env_json_every_op_has_a_backend(env_json):
 
 def test_env_json_avx2_never_picks_higher_tier_backends(env_json):
     chosen = {op: c["backend"] for op, c in env_json["ops"].items()}
-    assert chosen["quantized_linear"] in ("avx2", "torch")
-    assert chosen["decoder_stack"] == ("fused-avx2" if chosen["quantized_linear"] == "avx2" else "per-op")
+    assert chosen["quantized_linear"] in ("avx2", "torch-packed")
+    assert chosen["decoder_stack"] == ("fused-avx2" if chosen["quantized_linear"] == "avx2" else "torch")
     assert chosen["linear"] != "onednn-prepacked"
-    assert chosen["attention_prefill"] == "torch"
+    assert chosen["attention_prefill"] == "sdpa"
     for op in ("layer_ops", "attention_decode", "write_kv", "argmax"):
         assert chosen[op] in ("cpp-avx2", "torch"), op
 
@@ -83,7 +83,7 @@ def test_env_json_defaults_on_avx2(env_json):
     d = env_json["defaults"]
     assert d["dtype"] == "fp32"
     assert d["kv_cache_dtype"] == "fp32"
-    gguf = env_json["ops"]["quantized_linear"]["backend"] != "torch"
+    gguf = env_json["ops"]["quantized_linear"]["backend"] in ("amx", "avx2")
     assert d["gguf_quantization"] == ("gguf" if gguf else "none")
 
 
@@ -111,7 +111,7 @@ def test_env_text_names_tier_and_every_op():
         line.split()[0]: line.split()[1] for line in lines if line.split() and line.split()[0] in ops.OPS
     }
     assert set(op_lines) == set(ops.OPS)
-    assert op_lines["decoder_stack"] in ("fused-avx2", "per-op")
+    assert op_lines["decoder_stack"] in ("fused-avx2", "torch")
     assert any(line.startswith("dtype auto") and " fp32 " in line for line in lines)
 
 
@@ -139,3 +139,56 @@ def test_build_kernels_twice_second_is_cached():
         else:
             assert rest.startswith("skipped: not for this tier"), (name, rest)
     assert "compiling" not in second.stderr
+
+
+# ---- env --model: what runs for one model, as the engine builds it ---------------------------------------
+
+
+def engine_runs_the_stack(model: str) -> bool:
+    """Whether an engine of this process (the CPU's own tier, as `cli(..., isa=None)`) runs the fused stack."""
+    from pagedllm import LLM
+
+    llm = LLM(model=model, kv_cache_memory="32MiB")
+    try:
+        return llm.llm_engine.model.decode_stack is not None
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def env_model(model: str) -> dict:
+    r = cli("env", "--model", model, "--json", isa=None)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)["model"]
+
+
+def test_env_model_default_reports_the_decoder_path_that_runs():
+    info = env_model("default")
+    assert info["architecture"] == "llama"
+    fused = engine_runs_the_stack("default")
+    assert (info["decoder_stack"]["backend"] != "torch") == fused, info
+    if not fused:
+        assert "layer loop" in info["decoder_stack"]["detail"]
+    if info["quantization"] == "gguf":  # served from its blocks: every linear on a kernel
+        assert sum(info["quantized_linear"].values()) >= 30 * 4 and "torch" not in info["quantized_linear"]
+
+
+def test_env_model_float32_folder_runs_the_layer_loop_and_says_why(tmp_path):
+    from tiny_models import save_tiny_llama
+
+    folder = save_tiny_llama(tmp_path / "llama")
+    r = cli("env", "--model", str(folder), "--dtype", "float32", "--json", isa=None)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)["model"]
+    assert info["dtype"] == "float32" and info["quantization"] == "none" and info["quantized_linear"] == {}
+    assert info["decoder_stack"]["backend"] == "torch"
+    # the reason names the layer and what the stack cannot call (or that this machine has no stack)
+    detail = info["decoder_stack"]["detail"]
+    assert "layer 0 qkv_proj is a Linear" in detail or "no fused decoder stack" in detail, detail
+    text = cli("env", "--model", str(folder), "--dtype", "float32", isa=None)
+    assert text.returncode == 0 and "decoder_stack  torch: the model's layer loop" in text.stdout
+
+
+def test_env_model_bad_path_is_one_line_and_exit_2(tmp_path):
+    r = cli("env", "--model", str(tmp_path / "missing"), isa=None)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert len(r.stderr.strip().splitlines()) == 1 and "missing" in r.stderr

@@ -63,7 +63,7 @@ def resolve_quantization(path: Path, quantization: str | None) -> str | None:
     from pagedllm import ops
 
     is_gguf = Path(path).is_file() and Path(path).suffix == ".gguf"
-    return "gguf" if is_gguf and ops.backend("quantized_linear") != "torch" else None
+    return "gguf" if is_gguf and ops.backend("quantized_linear") in ("amx", "avx2") else None
 
 
 def build_model(

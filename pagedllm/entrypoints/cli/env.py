@@ -1,7 +1,9 @@
 """`pagedllm env`: what this machine is, what the engine picks on it, and why.
 
 The CPU and its features, the tier the kernels are built for (PAGEDLLM_CPU_ISA caps it), the backend of
-every op (ops.py), the dtype and quantization defaults this machine gets, and the kernel cache.
+every op (ops.py), the dtype and quantization defaults this machine gets, and the kernel cache. With
+--model, the model is built as the engine builds it and the report says what runs for it: the decoder
+path (the fused stack, or the layer loop and why) and the kernel of every quantized linear.
 """
 
 from __future__ import annotations
@@ -35,6 +37,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "the dtype and quantization defaults and why, and the kernel cache. Builds any kernel not yet built.",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument(
+        "--model",
+        help="also build this model (default, a GGUF file or a HF folder) as the engine would and report "
+        "what runs for it: the decoder path and each quantized linear's kernel",
+    )
+    p.add_argument(
+        "--dtype", default="auto", help="the model's compute dtype, as the engine takes it (default: auto)"
+    )
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        help="as the engine takes it (default: auto; none dequantizes a GGUF)",
+    )
     p.set_defaults(run=run)
     return p
 
@@ -43,7 +58,7 @@ def collect() -> dict[str, Any]:
     caps = platform.capabilities()
     table = ops.table()
     bf16 = caps.native_bf16
-    gguf = table["quantized_linear"].backend != "torch"
+    gguf = table["quantized_linear"].backend in ("amx", "avx2")
     return {
         "cpu": caps.cpu_model,
         "features": {f: f in caps.flags for f in FEATURES},
@@ -64,6 +79,47 @@ def collect() -> dict[str, Any]:
         },
         "kernel_cache": str(cpp_extension.cache_root()),
         "kernels": {name: kernels.state(name) for name in kernels.KERNELS},
+    }
+
+
+def collect_model(model: str, dtype: str, quantization: str) -> dict[str, Any]:
+    """What runs for this model on this machine: built by the engine's own function, then asked."""
+    from collections import Counter
+
+    from pagedllm.engine.llm_engine import resolve_dtype
+    from pagedllm.model import decode_stack
+    from pagedllm.model.build import load_model_for_inference, resolve_quantization
+    from pagedllm.model.loader import resolve_model_path
+    from pagedllm.quantization.linear import QuantLinear
+
+    path = resolve_model_path(model)
+    torch_dtype = resolve_dtype(dtype)
+    quant = resolve_quantization(path, quantization)
+    built, config = load_model_for_inference(path, torch_dtype, quant, show_progress=False)
+    reason = decode_stack.supports(built)
+    linears = Counter(
+        (m.kernel.name if m.kernel is not None else "torch")
+        for m in built.modules()
+        if isinstance(m, QuantLinear)
+    )
+    return {
+        "path": str(path),
+        "architecture": config.architecture,
+        "dtype": str(torch_dtype).removeprefix("torch."),
+        "quantization": quant or "none",
+        "decoder_stack": {
+            "backend": ops.backend("decoder_stack") if reason is None else ops.REFERENCE,
+            "detail": "every decoder layer of a decode step in one C++ call"
+            if reason is None
+            else f"the model's layer loop: {reason}",
+        },
+        "quantized_linear": dict(sorted(linears.items())),
+        "lm_head": type(built.lm_head).__name__
+        + (
+            f" ({built.lm_head.kernel.name if built.lm_head.kernel else 'torch'})"
+            if isinstance(built.lm_head, QuantLinear)
+            else ""
+        ),
     }
 
 
@@ -92,10 +148,24 @@ def format_env(info: dict[str, Any]) -> str:
         f"kernel cache   {info['kernel_cache']}",
     ]
     lines += [f"  {name:<14} {state}" for name, state in info["kernels"].items()]
+    m = info.get("model")
+    if m is not None:
+        kernels_used = (
+            ", ".join(f"{n} x {k}" for k, n in m["quantized_linear"].items()) or "none (float linears)"
+        )
+        lines += [
+            "",
+            f"model          {m['path']} ({m['architecture']}, {m['dtype']}, quantization {m['quantization']})",
+            f"decoder_stack  {m['decoder_stack']['backend']}: {m['decoder_stack']['detail']}",
+            f"quantized      {kernels_used}",
+            f"lm_head        {m['lm_head']}",
+        ]
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
     info = collect()
+    if args.model is not None:
+        info["model"] = collect_model(args.model, args.dtype, args.quantization)
     sys.stdout.write((json.dumps(info, indent=2) if args.json else format_env(info)) + "\n")
     return 0
