@@ -2,7 +2,7 @@
 # Issue 24's figures, every system in one run, repeats interleaved, medians:
 #   W32 and single50 at TP=1 on this checkout against BASE (an older checkout, e.g. the commit before the
 #   plain-data step: `git worktree add /tmp/base 2a96165`), then TP=2 on this checkout.
-# Usage: BASE=/tmp/base REPEATS=3 bash scripts/bench_scale_out.sh
+# Usage: BASE=/tmp/base REPEATS=3 bash scripts/bench_scale_out.sh      (TP2=0: TP=1 against BASE only)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -18,7 +18,7 @@ for i in $(seq "$REPEATS"); do
   for work in w32 single50; do
     [ -n "${BASE:-}" ] && run base "$BASE" "$work"
     run tp1 "$PWD" "$work"
-    run tp2 "$PWD" "$work" --tensor-parallel-size 2
+    if [ "${TP2:-1}" = 1 ]; then run tp2 "$PWD" "$work" --tensor-parallel-size 2; fi
   done
 done
 "$PY" - "$out" <<'PY'

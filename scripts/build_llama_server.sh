@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's own llama-server once, for `pagedllm bench throughput --compare llama.cpp`.
+# Build llama.cpp's own llama-server once, for `pagedllm bench throughput --compare llama.cpp`, and its
+# llama-quantize (K-quant files for the real-size benchmarks, scripts/make_real_size_gguf.py).
 #
 # The source is the llama.cpp vendored in llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION (a pinned, released
 # snapshot from PyPI, the same one `pip install llama-cpp-python` would compile), built with cmake for this
@@ -33,12 +34,13 @@ LLAMA="$SRC/llama_cpp_python-$VERSION/vendor/llama.cpp"
 
 cmake -S "$LLAMA" -B "$LLAMA/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
-cmake --build "$LLAMA/build" --target llama-server -j "$JOBS"
+cmake --build "$LLAMA/build" --target llama-server llama-quantize -j "$JOBS"
 
 # the binary and its shared libraries (libllama, libggml*, libmtmd) side by side: pagedllm runs it with
 # LD_LIBRARY_PATH set to that folder, so the build tree may be deleted afterwards
 mkdir -p "$CACHE/bin"
 cp -a "$LLAMA/build/bin/"*.so* "$CACHE/bin/" 2>/dev/null || true  # -a: the .so -> .so.0 links stay links
+cp "$LLAMA/build/bin/llama-quantize" "$CACHE/bin/llama-quantize"
 cp "$LLAMA/build/bin/llama-server" "$BIN.tmp"
 mv "$BIN.tmp" "$BIN"  # last, so that a half-finished copy never counts as built
 LD_LIBRARY_PATH="$CACHE/bin" "$BIN" --version

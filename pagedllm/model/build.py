@@ -25,6 +25,7 @@ from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.model.quantized_checkpoint import load_quantized, read_quantization_config
 from pagedllm.model.tensor_parallel import shard_model
+from pagedllm.quantization.gguf_native import NATIVE_TYPES, prebuilt_linears, serve_gguf_natively
 from pagedllm.quantization.linear import QuantLinear
 from pagedllm.quantization.model import resident_weight_bytes
 
@@ -80,19 +81,22 @@ def build_model(
             )
         model, config = load_quantized(path, dtype, show_progress)
     else:
-        ckpt = load_checkpoint(path, show_progress=show_progress, keep_quantized=quantization == "gguf")
+        gguf = quantization == "gguf"
+        # a GGUF served from its blocks: the linears of the types a kernel serves are never dequantized
+        ckpt = load_checkpoint(
+            path, show_progress, keep_quantized=gguf, served_types=NATIVE_TYPES if gguf else ()
+        )
         config = ckpt.config
-        model = model_class(config).from_weights(config, ckpt.weights, dtype)
-        if quantization == "gguf":
-            if ckpt.format != "gguf":
-                raise InputError(
-                    f"quantization='gguf' needs a GGUF file; {path} is a {ckpt.format} checkpoint",
-                    param="quantization",
-                )
-            from pagedllm.quantization.gguf_native import serve_gguf_natively
-
-            del ckpt.weights  # float copies of what is about to be replaced
-            served = serve_gguf_natively(model, ckpt.gguf_tensors or {}, config, dtype)
+        if gguf and ckpt.format != "gguf":
+            raise InputError(
+                f"quantization='gguf' needs a GGUF file; {path} is a {ckpt.format} checkpoint",
+                param="quantization",
+            )
+        prebuilt = prebuilt_linears(ckpt.gguf_tensors, ckpt.weights, config, dtype) if gguf else {}
+        model = model_class(config).from_weights(config, ckpt.weights, dtype, modules=prebuilt)
+        if gguf:
+            del ckpt.weights  # float copies of what is about to be replaced (fused and expert tensors)
+            served = [*prebuilt, *serve_gguf_natively(model, ckpt.gguf_tensors or {}, config, dtype)]
             logger.info("GGUF: %d linear layers served from their blocks", len(served))
         elif quantization is not None:
             from pagedllm.quantization.model import quantize_model

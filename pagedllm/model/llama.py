@@ -124,7 +124,9 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        self.layer_idx = layer_idx  # families differ per layer: sliding-window or global attention, MoE or dense
+        self.layer_idx = (
+            layer_idx  # families differ per layer: sliding-window or global attention, MoE or dense
+        )
         self.self_attn = LlamaAttention(config, layer_idx)
         # a MoE layer has a router and experts instead (layers/moe.py), each expert this MLP, narrower
         self.mlp = (
@@ -164,7 +166,9 @@ def rotary_embeddings(config: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbed
     )
     if config.rope_local_theta is None:
         return rotary, None
-    return rotary, RotaryEmbedding(config.rotary_width, config.max_position_embeddings, config.rope_local_theta)
+    return rotary, RotaryEmbedding(
+        config.rotary_width, config.max_position_embeddings, config.rope_local_theta
+    )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -178,7 +182,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # the decoder layers as one C++ call for decode steps and fresh prefills (decode_stack.py), by fuse.py
         self.decode_stack = None
-        self.tp_vocab_size: int | None = None  # set by tensor_parallel.py: the lm_head holds a vocabulary slice
+        self.tp_vocab_size: int | None = (
+            None  # set by tensor_parallel.py: the lm_head holds a vocabulary slice
+        )
 
     @torch.inference_mode()
     def forward(
@@ -228,11 +234,22 @@ class LlamaForCausalLM(nn.Module):
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        modules: dict[str, nn.Module] | None = None,
     ) -> LlamaForCausalLM:
-        """Build without random initialisation (seconds saved at start-up), then load the checkpoint."""
+        """Build without random initialisation (seconds saved at start-up), then load the checkpoint.
+        modules: layers built already (quantized linears, {module name: layer}) that take their places
+        before anything is allocated, so the float layers they replace never exist."""
         with torch.device("meta"):
             model = cls(config)
-        model = model.to_empty(device=device).to(dtype)
+        prebuilt = set()
+        for name, module in (modules or {}).items():
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, module)
+            prebuilt.add(id(module))
+        for m in model.modules():  # materialize the rest, one module's own tensors at a time
+            if id(m) not in prebuilt:
+                m.to_empty(device=device, recurse=False)
+                m._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
         if config.tie_word_embeddings:  # to_empty gives each parameter its own storage: tie again
             model.lm_head.weight = model.model.embed_tokens.weight
         # non-persistent buffers are not in the checkpoint: compute them for real

@@ -31,12 +31,12 @@ from safetensors.torch import save_file
 from pagedllm.config import ModelConfig
 from pagedllm.errors import InputError
 from pagedllm.model.classes import model_class
-from pagedllm.model.llama import LlamaForCausalLM, rotary_embeddings
+from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.loader import moe, registry
 from pagedllm.model.loader.hf_config import read_hf_config
 from pagedllm.model.loader.safetensors import safetensors_files
 from pagedllm.quantization.linear import QuantLinear
-from pagedllm.quantization.model import find_linear, set_module
+from pagedllm.quantization.model import find_linear
 from pagedllm.quantization.pack import unpack_int4
 
 QUANT_METHOD = "pagedllm"
@@ -211,10 +211,10 @@ def load_quantized(
         raise InputError(f"{path}: quantization_config bits {bits!r} is not a width 2..8", param="model")
     tensors = _read_tensors(path)
     with torch.device("meta"):
-        model = model_class(config)(config)
-    quantized = sorted(n[: -len(".qweight")] for n in tensors if n.endswith(".qweight"))
-    for name in quantized:
-        old = find_linear(model, name)
+        shapes = model_class(config)(config)  # where the linears are, and their widths; nothing allocated
+    layers = {}
+    for name in sorted(n[: -len(".qweight")] for n in tensors if n.endswith(".qweight")):
+        old = find_linear(shapes, name)
         if old is None:
             raise InputError(f"{path}: {name}.qweight does not belong to a linear layer", param="model")
         try:
@@ -228,14 +228,7 @@ def load_quantized(
             codes, scales, (-s * zeros.double()).float(), bits, group_size, bias, name
         )
         layer.pack(dtype)
-        set_module(model, name, layer)
-    # Materialize the float modules only (to_empty on the whole model would wipe the QuantLinear buffers).
-    for m in model.modules():
-        if not isinstance(m, QuantLinear):
-            m.to_empty(device="cpu", recurse=False)
-            m._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.rotary, model.rotary_local = (r.to(dtype=dtype) if r else None for r in rotary_embeddings(config))
-    model.load_weights({k: v.to(torch.float32) for k, v in tensors.items()})
+        layers[name] = layer
+    weights = {k: v.to(torch.float32) for k, v in tensors.items()}
+    model = model_class(config).from_weights(config, weights, dtype, modules=layers)
     return model.eval(), config

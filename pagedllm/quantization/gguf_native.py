@@ -57,6 +57,26 @@ def gguf_quant_linear(
     return QuantLinear.from_codes(codes, scales, mins, bits, group, bias, name)
 
 
+def prebuilt_linears(
+    gguf_tensors: dict[str, tuple[str, np.ndarray, tuple[int, ...]]],
+    weights: dict[str, torch.Tensor],
+    config: ModelConfig,
+    dtype: torch.dtype,
+) -> dict[str, QuantLinear]:
+    """The linears the loader left as blocks only (load_gguf's served_types: no float copy was made), built
+    and packed before the model's float modules are, so that no float copy of them ever exists; each takes
+    its bias out of `weights`. {module name: layer}."""
+    layers = {}
+    for name, (type_name, raw, shape) in gguf_tensors.items():
+        if not name.endswith(".weight") or name in weights:
+            continue
+        module = name.removesuffix(".weight")
+        layer = gguf_quant_linear(module, type_name, raw, shape, config, weights.pop(module + ".bias", None))
+        layer.pack(dtype)
+        layers[module] = layer
+    return layers
+
+
 def serve_gguf_natively(
     model: torch.nn.Module,
     gguf_tensors: dict[str, tuple[str, np.ndarray, tuple[int, ...]]],

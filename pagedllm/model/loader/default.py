@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,10 +80,17 @@ def read_model_config(path: str | Path) -> ModelConfig:
     return read_hf_config(path)
 
 
-def load_checkpoint(path: str | Path, show_progress: bool = True, keep_quantized: bool = False) -> Checkpoint:
+def load_checkpoint(
+    path: str | Path,
+    show_progress: bool = True,
+    keep_quantized: bool = False,
+    served_types: Collection[str] = (),
+) -> Checkpoint:
+    """keep_quantized: a GGUF's raw blocks come back too (gguf_tensors); served_types: the GGUF types whose
+    linear weights are served from those blocks, so they are not dequantized at all (load_gguf)."""
     path = resolve_model_path(str(path))
     if detect_format(path) == "gguf":
-        config, weights, quantized = load_gguf(path, show_progress, keep_quantized)
+        config, weights, quantized = load_gguf(path, show_progress, keep_quantized, served_types)
         return Checkpoint(config, weights, "gguf", path, quantized)
     config, weights = load_safetensors(path, show_progress)
     return Checkpoint(config, weights, "safetensors", path)

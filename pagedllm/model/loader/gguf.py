@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import struct
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -245,7 +246,9 @@ def gguf_model_config(meta: dict[str, Any], tensors: list[GGUFTensorInfo], path:
         sliding_window=window,
         layer_types=layer_types,
         # llama.cpp's Gemma 3: 10000 for the sliding layers unless the file says
-        rope_local_theta=float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)) if entry.local_rope_base else None,
+        rope_local_theta=float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0))
+        if entry.local_rope_base
+        else None,
         hidden_act="gelu_pytorch_tanh" if gemma else "silu",
         gemma_norms=gemma,
         attn_logit_softcapping=_positive(meta.get(f"{arch}.attn_logit_softcapping")) if gemma else None,
@@ -363,10 +366,21 @@ def _split_fused_raw(
             start += rows
 
 
+# the linears whose weights may be served from their blocks without a float copy (quantization/gguf_native.py
+# replaces exactly these, one tensor each; fused and expert tensors are split as floats first)
+_SERVABLE = re.compile(r"(\.(q|k|v|o|gate|up|down)_proj|^lm_head)\.weight$")
+
+
 def load_gguf(
-    path: str | Path, show_progress: bool = True, keep_quantized: bool = False
+    path: str | Path,
+    show_progress: bool = True,
+    keep_quantized: bool = False,
+    served_types: Collection[str] = (),
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, tuple[str, np.ndarray, tuple[int, ...]]] | None]:
-    """Returns (config, float32 weights with HF names, raw quantized tensors when keep_quantized)."""
+    """Returns (config, float32 weights with HF names, raw quantized tensors when keep_quantized).
+
+    A linear weight whose type is in served_types is not dequantized (no float copy is ever made: a 1B
+    Q4_0 file's float32 weights alone are 4 GiB): it comes back only as raw blocks, for the caller to serve."""
     path = Path(path)
     header = read_gguf_header(path)
     config = gguf_model_config(header.metadata, header.tensors, path)
@@ -379,6 +393,7 @@ def load_gguf(
         warnings.warn(f"{path}: rope_freqs.weight (per-dimension RoPE factors) is ignored", stacklevel=2)
     entry = registry.get(config.architecture)
     layer_names = registry.gguf_layer_names(entry)
+    served: set[str] = set()
     for info in tqdm(header.tensors, desc=f"loading {path.name}", disable=not show_progress, leave=False):
         name = hf_name(info.name, layer_names)
         if name is None:
@@ -386,6 +401,11 @@ def load_gguf(
         if name.endswith(".mlp.up_proj.weight") and info.shape[0] == 2 * config.intermediate_size:
             name = name.replace(".up_proj.", ".gate_up_proj.")  # Phi-3's ffn_up holds [gate; up]
         raw = raw_tensor(data, info)
+        servable = len(info.shape) == 2 and ".experts." not in name and _SERVABLE.search(name)
+        if quantized is not None and info.type.name in served_types and servable:
+            quantized[name] = (info.type.name, raw, info.shape)
+            served.add(name)
+            continue
         w = dequantize_tensor(path, info, raw)
         # Only Llama-arch files are permuted by the converter; Qwen2 and Qwen3 keep HF's row order.
         permuted = registry.get(config.architecture).gguf_permuted_qk
@@ -405,5 +425,8 @@ def load_gguf(
         moe.split_experts_raw(quantized, config, path)
     moe.split_experts(weights, config, path)  # ffn_{gate,up,down}_exps: [experts, out, in]
     split_fused(weights, config, path)  # Phi-3's attn_qkv and ffn_up
-    check_complete(weights, config, path)
+    # the served weights' shapes are checked too: meta tensors stand for them (no memory)
+    check_complete(
+        {**weights, **{n: torch.empty(quantized[n][2], device="meta") for n in served}}, config, path
+    )
     return config, weights, quantized
