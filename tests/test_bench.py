@@ -359,6 +359,29 @@ def test_llama_server_reply_parsing_counts_and_timings() -> None:
         ls.parse_stream([(0.0, 'data: {"error": {"message": "slot unavailable"}}')])
 
 
+def test_llama_server_withheld_tokens_count_as_generated() -> None:
+    """llama-server streams no chunk for a token whose text ends in an incomplete UTF-8 sequence; each chunk's
+    running tokens_predicted shows it, so the reply still checks and counts every generated token, and a
+    chunk lost without that evidence still fails."""
+    from pagedllm.bench import llamacpp_server as ls
+
+    lines = []
+    for i in (1, 2, 4, 5):  # token 3 was generated, never streamed
+        c = {"content": "a", "tokens": [100 + i], "stop": False, "tokens_predicted": i}
+        lines.append((10.0 + 0.1 * i, f"data: {json.dumps(c)}"))
+    final = {"tokens": [], "stop": True, "tokens_predicted": 5, "tokens_evaluated": 3, "stop_type": "limit"}
+    lines.append((10.6, f"data: {json.dumps(final)}"))
+    r = ls.parse_stream(lines)
+    assert len(r.tokens) == 4 and r.withheld == 1
+    ls.check_reply(r, prompt_len=3, n_predict=5)
+    assert ls.summarize_replies([r], 10.0, 10.6, 3)["output_tokens"] == 5
+    without_counts = [(at, line.replace(', "tokens_predicted": 4', "")) for at, line in lines[:-2]] + lines[
+        -1:
+    ]
+    with pytest.raises(RuntimeError, match="3 tokens streamed, 5 reported"):
+        ls.check_reply(ls.parse_stream(without_counts), prompt_len=3, n_predict=5)
+
+
 def test_llama_server_run_against_a_fake_server(tmp_path: Path) -> None:
     """Start, /health (503 then 200), all prompts at once as token ids, counts checked, server stopped."""
     import os

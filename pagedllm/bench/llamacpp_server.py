@@ -108,6 +108,10 @@ class Reply:
     tokens_predicted: int | None = None  # the server's own counts, from its final chunk
     tokens_evaluated: int | None = None
     stop_type: str | None = None
+    # tokens generated but never streamed: llama-server sends no chunk for a token whose text ends in an
+    # incomplete UTF-8 sequence (common with random-weight models' byte tokens), and the next chunk carries
+    # only its own token id; each chunk's running tokens_predicted shows the gap
+    withheld: int = 0
 
 
 def parse_stream(lines: Iterable[tuple[float, str]]) -> Reply:
@@ -123,6 +127,9 @@ def parse_stream(lines: Iterable[tuple[float, str]]) -> Reply:
         if chunk.get("tokens"):
             if r.first_token_at is None:
                 r.first_token_at = at
+            counted = chunk.get("tokens_predicted")
+            if counted is not None and not chunk.get("stop"):
+                r.withheld = counted - len(r.tokens) - len(chunk["tokens"])
             r.tokens += chunk["tokens"]
         if chunk.get("stop"):
             r.finished_at = at
@@ -137,8 +144,11 @@ def check_reply(r: Reply, prompt_len: int, n_predict: int) -> None:
     problems = []
     if r.finished_at is None:
         problems.append("no final chunk")
-    if len(r.tokens) != n_predict or r.tokens_predicted != n_predict:
-        problems.append(f"{len(r.tokens)} tokens streamed, {r.tokens_predicted} reported, {n_predict} asked")
+    if len(r.tokens) + r.withheld != n_predict or r.tokens_predicted != n_predict:
+        withheld = f" (+{r.withheld} withheld)" if r.withheld else ""
+        problems.append(
+            f"{len(r.tokens)} tokens streamed{withheld}, {r.tokens_predicted} reported, {n_predict} asked"
+        )
     if r.tokens_evaluated != prompt_len:
         problems.append(f"{r.tokens_evaluated} prompt tokens evaluated, {prompt_len} sent")
     if problems:
@@ -152,11 +162,11 @@ def summarize_replies(replies: list[Reply], sent_at: float, finished_at: float, 
         "elapsed_time": finished_at - sent_at,
         "num_requests": len(replies),
         "prompt_tokens": prompt_tokens,
-        "output_tokens": sum(len(r.tokens) for r in replies),
+        "output_tokens": sum(len(r.tokens) + r.withheld for r in replies),
         "median_ttft_s": ttfts[len(ttfts) // 2] if ttfts else 0.0,
     }
     decode = sorted(
-        (len(r.tokens) - 1) / (r.finished_at - r.first_token_at)
+        (len(r.tokens) + r.withheld - 1) / (r.finished_at - r.first_token_at)
         for r in replies
         if len(r.tokens) > 1 and r.first_token_at is not None and r.finished_at > r.first_token_at
     )
