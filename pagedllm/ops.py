@@ -198,14 +198,15 @@ def kernel(op: str, name: str | None = None) -> ModuleType | None:
         if forced_backend is not None and forced_backend != table()[op].backend:
             return _forced_kernel(op, forced_backend, name)
     key = (op, name)
-    try:
-        return _kernel_cache[key]
-    except KeyError:
-        choice = table()[op]
-        wanted = name or (choice.kernels[0] if choice.kernels else None)
-        module = kernels.load(wanted) if wanted in choice.kernels else None
-        _kernel_cache[key] = module
-        return module
+    if key not in _kernel_cache:
+        _kernel_cache[key] = _load_named(table()[op].kernels, name)
+    return _kernel_cache[key]
+
+
+def _load_named(names: tuple[str, ...], name: str | None) -> ModuleType | None:
+    """Kernel `name` (the first, without one) if it is among a backend's kernels, loaded; else None."""
+    wanted = name or (names[0] if names else None)
+    return kernels.load(wanted) if wanted in names else None
 
 
 def any_forced(names: tuple[str, ...]) -> bool:
@@ -216,9 +217,7 @@ def any_forced(names: tuple[str, ...]) -> bool:
 def _forced_kernel(op: str, forced_backend: str, name: str | None) -> ModuleType | None:
     if forced_backend == REFERENCE or op != "quantized_linear":
         return None
-    names = QUANTIZED_LINEAR_KERNELS[forced_backend]
-    wanted = name or (names[0] if names else None)
-    return kernels.load(wanted) if wanted in names else None
+    return _load_named(QUANTIZED_LINEAR_KERNELS[forced_backend], name)
 
 
 def _check_forcible(op: str, value: str) -> None:

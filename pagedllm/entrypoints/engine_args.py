@@ -94,7 +94,7 @@ def add_quantization_arg(g, engine: bool = True) -> None:
     if engine:
         text += "auto = a GGUF file served from its own quantized blocks where a kernel runs here, "
         text += "else as stored; none = dequantized to --dtype; "
-    text += "gguf = a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks; the int ones = RTN at load (int8 per output "
+    text += "gguf = a GGUF file's own blocks (Q4/Q5/Q8, Q4_K/Q5_K/Q6_K); the int ones = RTN at load (int8 per output "
     text += "channel, int4 = int4-g32: groups of 32 inputs) "
     text += "(default: auto)" if engine else "(default: the weights as stored)"
     g.add_argument(

@@ -7,7 +7,7 @@ quantization (the engine's "auto" is resolved first, resolve_quantization):
               a folder written by `pagedllm quantize` loads its quantized layers as they are
   "int8"      RTN at load, INT8 per output channel
   "int4"      RTN at load, INT4 group-wise along the input, group 32 ("int4-g64", "int4-g128" for others)
-  "gguf"      a GGUF file's Q4_0 / Q4_1 / Q8_0 linears served from their own blocks (quantization/gguf_native.py)
+  "gguf"      a GGUF file's linears served from their own blocks (Q4_0..Q8_0, Q4_K, Q5_K, Q6_K: gguf_blocks.py)
 """
 
 from __future__ import annotations

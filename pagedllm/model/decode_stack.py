@@ -68,7 +68,7 @@ _LAYER_PARTS = {
 
 
 def unsupported_reason(model) -> str | None:
-    """Why the fused stack cannot compute this model's layers (then the per-op path runs), or None.
+    """Why the fused stack cannot compute this model's layers (then the layer loop runs), or None.
 
     A model feature the C++ stack does not implement (a q/k norm, sliding windows, a MoE block, another
     norm or activation) must send the model to the layer loop, never be silently dropped: the check is on

@@ -83,7 +83,8 @@ def serve_gguf_natively(
     config: ModelConfig,
     dtype: torch.dtype = torch.bfloat16,
 ) -> list[str]:
-    """Replace the model's linears whose GGUF type is Q4_0/Q4_1/Q8_0; returns their names."""
+    """Replace the model's float linears whose GGUF type is served natively (gguf_blocks.NATIVE_TYPES: those
+    the loader had to split as floats first, e.g. Phi-3's fused ones) and the lm_head; returns their names."""
     from pagedllm.quantization.model import linear_layer_names, set_module
 
     replaced = []

@@ -204,14 +204,7 @@ class QuantLinear(nn.Module):
     def weight_bytes(self) -> int:
         """Resident bytes: the stored buffers plus the kernel's layout."""
         tensors = [self.qweight, self.scales, self.mins, self.bias, *self.layout]
-        # torch's INT8 kernel reads the stored qweight itself: a layout entry may be a stored buffer
-        seen: set[int] = set()
-        total = 0
-        for t in tensors:
-            if t is not None and id(t) not in seen:
-                seen.add(id(t))
-                total += t.numel() * t.element_size()
-        return total
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # ---- the kernel ------------------------------------------------------------------------------------
     def pack(self, dtype: torch.dtype = torch.bfloat16) -> None:

@@ -96,30 +96,28 @@ def collect_model(model: str, dtype: str, quantization: str) -> dict[str, Any]:
     torch_dtype = resolve_dtype(dtype)
     quant = resolve_quantization(path, quantization)
     built, config = load_model_for_inference(path, torch_dtype, quant, show_progress=False)
-    reason = decode_stack.supports(built)
-    linears = Counter(
-        (m.kernel.name if m.kernel is not None else "torch")
-        for m in built.modules()
-        if isinstance(m, QuantLinear)
-    )
+    # what the engine's build left in place is what runs; supports() is asked only for the reason
+    fused = built.decode_stack is not None
+    reason = None if fused else decode_stack.supports(built)
+
+    def kernel_name(m: QuantLinear) -> str:
+        return m.kernel.name if m.kernel is not None else ops.REFERENCE
+
+    linears = Counter(kernel_name(m) for m in built.modules() if isinstance(m, QuantLinear))
+    head = built.lm_head
     return {
         "path": str(path),
         "architecture": config.architecture,
         "dtype": str(torch_dtype).removeprefix("torch."),
         "quantization": quant or "none",
         "decoder_stack": {
-            "backend": ops.backend("decoder_stack") if reason is None else ops.REFERENCE,
+            "backend": ops.backend("decoder_stack") if fused else ops.REFERENCE,
             "detail": "every decoder layer of a decode step in one C++ call"
-            if reason is None
+            if fused
             else f"the model's layer loop: {reason}",
         },
         "quantized_linear": dict(sorted(linears.items())),
-        "lm_head": type(built.lm_head).__name__
-        + (
-            f" ({built.lm_head.kernel.name if built.lm_head.kernel else 'torch'})"
-            if isinstance(built.lm_head, QuantLinear)
-            else ""
-        ),
+        "lm_head": type(head).__name__ + (f" ({kernel_name(head)})" if isinstance(head, QuantLinear) else ""),
     }
 
 
