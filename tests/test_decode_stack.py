@@ -293,3 +293,23 @@ def test_a_model_feature_the_stack_lacks_gets_the_layer_loop(feature, tiny_llama
     )
     hidden = model(torch.arange(3, 8), torch.arange(5), cache, meta)
     assert hidden.shape == (5, cfg.hidden_size) and torch.isfinite(hidden).all()
+
+
+@needs_avx2
+@pytest.mark.parametrize("lengths", AVX2_LENGTHS, ids=["1 seq", "3 seqs", "32 seqs"])
+def test_avx2_stack_takes_projections_that_cannot_merge(lengths, tiny_llama_path):
+    """A GGUF Q4_K_M file mixes types in a layer (Q6_K attn_v beside Q4_K q and k), so fuse.py cannot merge
+    them into one matmul: the stack calls the parts and concatenates, as the layer loop does, bit for bit."""
+    from pagedllm.quantization.linear import QuantLinear
+    from pagedllm.quantization.rtn import rtn_quantize_weight
+
+    model, _ = build_model(tiny_llama_path, FP32, "int4", show_progress=False)
+    for layer, name in ((model.model.layers[0].self_attn, "v_proj"), (model.model.layers[1].mlp, "up_proj")):
+        old = getattr(layer, name)
+        w = old.dequantize_weight(torch.float32)
+        setattr(layer, name, QuantLinear.from_quantized(rtn_quantize_weight(w, 8, 32), name=name))  # 8-bit
+    fuse_for_inference(model)
+    assert model.model.layers[0].self_attn.qkv_proj is None and model.model.layers[1].mlp.gate_up_proj is None
+    assert model.model.layers[1].self_attn.qkv_proj is not None  # the other layers merge as before
+    assert model.decode_stack is not None and decode_stack.supports(model) is None
+    assert_stack_equals_loop(model, lengths, steps=3)

@@ -116,3 +116,70 @@ def test_gguf_quant_linear_takes_the_group_of_the_type():
         want = gguf_dequantize(raw, GGMLQuantizationType[type_name]).reshape(64, 256)
         with ops.forced(quantized_linear="torch"):
             assert np.array_equal(layer.dequantize_weight(torch.float32).numpy(), want)
+
+
+@pytest.mark.parametrize("type_name", gguf_blocks.K_QUANTS)
+def test_super_blocks_give_the_decoded_scales_exactly(type_name):
+    """super_blocks' d * codes are decode()'s float32 scales and mins, bit for bit (the products are exact)."""
+    raw = random_blocks(type_name, 24, 512, seed=13)
+    _, scales, mins, _, group = gguf_blocks.decode(type_name, raw, (24, 512))
+    sb = gguf_blocks.super_blocks(type_name, raw, (24, 512))
+    assert sb.groups == 256 // group and sb.scale_codes.dtype == sb.min_codes.dtype == torch.int8
+    for d, q, want in ((sb.d, sb.scale_codes, scales), (sb.dmin, sb.min_codes, mins)):
+        got = d.repeat_interleave(sb.groups, dim=1) * q.float()
+        assert np.array_equal(got.numpy().view(np.int32), want.view(np.int32))
+    assert gguf_blocks.super_blocks("Q4_0", random_blocks("Q4_0", 4, 256), (4, 256)) is None
+
+
+@pytest.mark.skipif(
+    ops.kernel("quantized_linear", "woq_avx2") is None, reason="no AVX2 kernel on this machine"
+)
+@pytest.mark.parametrize("type_name", gguf_blocks.K_QUANTS)
+def test_two_level_layout_runs_the_float_layout_bit_for_bit(type_name):
+    """The AVX2 layout keeps a K-quant's super-blocks (int8 codes + a float32 super-scale): fewer bytes than
+    float32 scales and mins, and the same numbers: equal outputs at every row count, and unpack / super-
+    blocks give the weight back exactly; merged layers (q, k, v) keep the form."""
+    from pagedllm.quantization import avx2
+
+    shape = (40, 512)  # 40 rows: a padded last panel
+    raw = random_blocks(type_name, *shape, seed=17)
+    codes, scales, mins, bits, group = (torch.from_numpy(t) if isinstance(t, np.ndarray) else t
+                                        for t in gguf_blocks.decode(type_name, raw, shape))  # fmt: skip
+    sb = gguf_blocks.super_blocks(type_name, raw, shape)
+    two = avx2.pack(codes, scales, mins, bits, sb)
+    flat = avx2.pack(codes, scales, mins, bits)
+    assert two[1].dtype == torch.uint8 and flat[1].dtype == torch.float32
+    assert two[1].nbytes + two[2].nbytes < 0.4 * (flat[1].nbytes + flat[2].nbytes)  # 1 + 4/sb B, not 4
+    for rows in (1, 5, 33):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
+            got = avx2.matmul(x, two, None, bits, group, shape[0])
+            assert torch.equal(got, avx2.matmul(x, flat, None, bits, group, shape[0])), (rows, dtype)
+    back = avx2.unpack(two, bits, shape[0], shape[1], group)
+    for got, want in zip(back, (codes, scales, mins)):
+        assert torch.equal(got, want)
+    again = avx2.superblocks(two, shape[0])
+    assert torch.equal(again.d, sb.d) and torch.equal(again.scale_codes, sb.scale_codes)
+    assert torch.equal(again.dmin, sb.dmin) and torch.equal(again.min_codes, sb.min_codes)
+    # scales that the super-blocks do not give are refused: the float32 form, never wrong numbers
+    wrong = gguf_blocks.SuperBlocks(sb.groups, sb.d * 2, sb.scale_codes, sb.dmin, sb.min_codes)
+    assert avx2.pack(codes, scales, mins, bits, wrong)[1].dtype == torch.float32
+
+    cfg = ModelConfig(
+        vocab_size=10, hidden_size=512, intermediate_size=512, num_layers=1, num_heads=4, num_kv_heads=2,
+        head_dim=128, architecture="llama",
+    )  # fmt: skip
+    parts = []
+    for name, rows in (("q_proj", 512), ("k_proj", 256), ("v_proj", 256)):  # q and k rows are unpermuted
+        part_raw = random_blocks(type_name, rows, 512, seed=rows + len(name))
+        parts.append(
+            gguf_quant_linear(f"model.layers.0.self_attn.{name}", type_name, part_raw, (rows, 512), cfg)
+        )
+    merged = QuantLinear.concat(parts)
+    merged.pack(torch.bfloat16)
+    if merged.kernel is not None and merged.kernel.name == "avx2":
+        assert merged.layout[1].dtype == torch.uint8
+    x = torch.randn(3, 512).bfloat16()
+    with ops.forced(quantized_linear="torch"):
+        want = torch.cat([p(x) for p in parts], dim=1)
+    assert ((merged(x).float() - want.float()).norm() / want.float().norm()).item() < 1.5e-2

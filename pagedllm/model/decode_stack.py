@@ -62,9 +62,24 @@ def _linear_parts(layer, dtype: torch.dtype, amx_build: bool) -> tuple[list[torc
 FUSED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 _LAYER_PARTS = {
     "": {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"},
-    "self_attn": {"qkv_proj", "o_proj"},
-    "mlp": {"gate_up_proj", "down_proj"},
+    "self_attn": {"qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj"},
+    "mlp": {"gate_up_proj", "gate_proj", "up_proj", "down_proj"},
 }
+
+
+def _projections(layer) -> list[tuple[str, list]]:
+    """A layer's four projections in the stack's order, each as its linears: the merged one, or the parts
+    fuse.py could not merge (q, k, v of different GGUF types: Q4_K_M's Q6_K attn_v beside Q4_K q and k),
+    whose outputs the stack concatenates as the layer loop does."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = [attn.qkv_proj] if attn.qkv_proj is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+    gate_up = [mlp.gate_up_proj] if mlp.gate_up_proj is not None else [mlp.gate_proj, mlp.up_proj]
+    return [
+        ("qkv_proj", qkv),
+        ("o_proj", [attn.o_proj]),
+        ("gate_up_proj", gate_up),
+        ("down_proj", [mlp.down_proj]),
+    ]
 
 
 def unsupported_reason(model) -> str | None:
@@ -121,22 +136,19 @@ def _parts(model) -> tuple[list[torch.Tensor], list[int]] | str:
     tensors: list[torch.Tensor] = []
     shapes: list[int] = []
     for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if any(w.dtype != dtype for w in norms):
             return f"layer {i} has norm weights of another dtype than its {dtype} activations"
+        projections = _projections(layer)
         tensors += [w.detach() for w in norms]
-        for name, linear in (
-            ("qkv_proj", attn.qkv_proj),
-            ("o_proj", attn.o_proj),
-            ("gate_up_proj", mlp.gate_up_proj),
-            ("down_proj", mlp.down_proj),
-        ):
-            parts = _linear_parts(linear, dtype, ext.amx)
-            if isinstance(parts, str):
-                return f"layer {i} {name} is {parts}"
-            tensors += parts[0]
-            shapes += parts[1]
+        shapes += [len(projections[0][1]), len(projections[2][1])]  # the qkv and gate_up linears' counts
+        for name, linears in projections:
+            for linear in linears:
+                parts = _linear_parts(linear, dtype, ext.amx)
+                if isinstance(parts, str):
+                    return f"layer {i} {name} is {parts}"
+                tensors += parts[0]
+                shapes += parts[1]
     return tensors, shapes
 
 

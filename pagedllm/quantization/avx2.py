@@ -38,6 +38,7 @@ import torch
 
 from pagedllm import ops
 from pagedllm.quantization.amx import exact_in_float16
+from pagedllm.quantization.gguf_blocks import SuperBlocks
 
 SOURCE = Path(__file__).parent / "csrc" / "woq_avx2.cpp"
 COLS = 8  # output columns a panel (N is padded to a multiple)
@@ -68,13 +69,18 @@ def _by_panel(t: torch.Tensor, panels: int) -> torch.Tensor:
 
 
 def pack(
-    codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    bits: int,
+    superblocks: SuperBlocks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """codes uint8 [N, K] (0..2^bits-1), scales / mins float32 [N, G] (G = K / group: K/16 for group 16)
-    -> (codes, scales, mins) in the
-    kernel's layout (csrc/woq_avx2.h): codes uint8 [panels, K/32, 128 (4-bit) | 256 (8-bit)], each panel
-    of 8 output columns interleaved 4 inputs a column; scales / mins [panels, G, 8] in float16 when that
-    holds both exactly (GGUF: 0.25 B a weight less to stream at decode), else float32."""
+    -> (codes, scales, mins) in the kernel's layout (csrc/woq_avx2.h): codes uint8 [panels, K/32, 128 (4-bit)
+    | 256 (8-bit)], each panel of 8 output columns interleaved 4 inputs a column; scales / mins in the
+    smallest form that holds them exactly: [panels, G, 8] float16 (GGUF's Q4_0 / Q8_0 ...: 0.25 B a weight
+    less to stream at decode than float32), two-level uint8 [panels, G / sb, 32 + 8 sb] where `superblocks`
+    (GGUF's K-quants) factors them, else float32."""
     if bits not in (4, 8):
         raise ValueError(f"avx2.pack: bits must be 4 or 8, got {bits}")
     n, k = codes.shape
@@ -92,8 +98,66 @@ def pack(
     c = c.reshape(panels, k // BLOCK, bits * 32).contiguous()
     s, m = _by_panel(scales.float(), panels), _by_panel(mins.float(), panels)
     if exact_in_float16(s) and exact_in_float16(m):
-        s, m = s.half(), m.half()
+        return c, s.half(), m.half()
+    if superblocks is not None and _factors(superblocks, scales, mins):
+        sb = superblocks.groups
+        return (
+            c,
+            _two_level(superblocks.d, superblocks.scale_codes, sb, panels),
+            _two_level(superblocks.dmin, superblocks.min_codes, sb, panels),
+        )
     return c, s, m
+
+
+def _factors(sb: SuperBlocks, scales: torch.Tensor, mins: torch.Tensor) -> bool:
+    """Whether the super-blocks give exactly these scales and mins (and fit the kernel: a power-of-two count
+    of groups a super-block)."""
+    g = sb.groups
+    if g < 1 or g & (g - 1) or scales.shape[1] % g or sb.scale_codes.shape != scales.shape:
+        return False
+
+    def product(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return d.float().repeat_interleave(g, dim=1) * q.float()
+
+    return torch.equal(product(sb.d, sb.scale_codes), scales.float()) and torch.equal(
+        product(sb.dmin, sb.min_codes), mins.float()
+    )
+
+
+def _two_level(d: torch.Tensor, q: torch.Tensor, sb: int, panels: int) -> torch.Tensor:
+    """d float32 [N, S], q int8 [N, S * sb] -> uint8 [panels, S, 32 + 8 sb]: per super-block the 8 columns'
+    d (float32 bytes), then sb groups x 8 columns of int8 codes (csrc/woq_avx2.h's TwoLevelScales)."""
+    d_p = _by_panel(d.float(), panels)  # [panels, S, 8]
+    q_p = _by_panel(q.float(), panels).to(torch.int8)  # [panels, S * sb, 8]
+    supers = d_p.shape[1]
+    d_bytes = d_p.contiguous().view(torch.uint8)  # [panels, S, 32]
+    q_bytes = q_p.view(torch.uint8).reshape(panels, supers, sb * COLS)
+    return torch.cat((d_bytes, q_bytes), dim=2).contiguous()
+
+
+def _split_two_level(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """_two_level's bytes -> (d float32 [panels, S, 8], q float32 [panels, S * sb, 8])."""
+    panels, supers, width = t.shape
+    d = t[..., :32].contiguous().view(torch.float32)
+    q = t[..., 32:].contiguous().view(torch.int8).reshape(panels, supers * ((width - 32) // COLS), COLS)
+    return d, q.float()
+
+
+def _columns(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[panels, G, 8] -> [n, G] float32 (the padding columns dropped)."""
+    panels = t.shape[0]
+    return t.float().transpose(1, 2).reshape(panels * COLS, -1)[:n].contiguous()
+
+
+def superblocks(layout: tuple[torch.Tensor, ...], out_features: int) -> SuperBlocks | None:
+    """The SuperBlocks a two-level layout was packed from, or None for the other forms."""
+    _, s, m = layout
+    if s.dtype != torch.uint8:
+        return None
+    (sd, sq), (md, mq) = _split_two_level(s), _split_two_level(m)
+    groups = sq.shape[1] // sd.shape[1]
+    int8 = [_columns(t, out_features).to(torch.int8) for t in (sq, mq)]
+    return SuperBlocks(groups, _columns(sd, out_features), int8[0], _columns(md, out_features), int8[1])
 
 
 def unpack(
@@ -110,7 +174,10 @@ def unpack(
     c = c.permute(0, 3, 1, 2, 4).reshape(panels * COLS, in_features)[:out_features].contiguous()
 
     def groups(t: torch.Tensor) -> torch.Tensor:
-        return t.float().transpose(1, 2).reshape(panels * COLS, -1)[:out_features].contiguous()
+        if t.dtype == torch.uint8:  # two-level: d * code, as the kernel computes it
+            d, q = _split_two_level(t)
+            t = d.repeat_interleave(q.shape[1] // d.shape[1], dim=1) * q
+        return _columns(t, out_features)
 
     return c, groups(s), groups(m)
 

@@ -17,8 +17,9 @@ dequantization does.
 Every s and m above is exact in float32 (an fp16 times an integer below 64: at most 17 significant bits), and
 s * q + m then rounds as llama.cpp's d1 * q - m1 does, so QuantLinear.dequantize_weight() equals
 gguf.quants.dequantize bit for bit (tests/test_gguf_blocks.py). The K-quants' super-block structure is not
-kept: each sub-block's scale and min are stored as float32 (0.5 bytes a weight more than Q4_K's own 4.5
-bits); their values are the file's. The other types (Q2_K, Q3_K, IQ*, ...) are not decoded here: those
+kept in decode()'s float32 scales and mins, but `super_blocks` gives it back (per super-block a float32 d
+and dmin, per sub-block an integer code), and the AVX2 kernel's layout keeps that form (4.75 bits a weight
+for Q4_K instead of 6). Their values are the file's. The other types (Q2_K, Q3_K, IQ*, ...) are not decoded here: those
 tensors are dequantized at load (the loader says so).
 
 Q6_K is the one type with groups of 16 (its sub-blocks), which the AVX2 kernel takes for 8-bit codes. Its
@@ -34,7 +35,10 @@ each 32 bytes hold two sub-blocks, the low nibbles the first 32 weights and the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+import torch
 
 # type -> (weights a block, bytes a block, bits of the codes QuantLinear stores, group along the input)
 BLOCKS = {
@@ -48,6 +52,7 @@ BLOCKS = {
     "Q6_K": (256, 210, 8, 16),
 }
 NATIVE_TYPES = tuple(BLOCKS)
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -131,3 +136,44 @@ def decode(type_name: str, raw: np.ndarray, shape: tuple[int, int]):
     else:  # Q5_1
         codes, mins = _low_high(b[..., 8:]) | (_fifth_bits(b[..., 4:8]) << 4), _f16(b[..., 2:4])
     return codes.reshape(rows, cols).astype(np.uint8), d, mins.astype(np.float32), bits, group
+
+
+@dataclass
+class SuperBlocks:
+    """Scales and mins factored as GGUF's K-quants store them (gguf_blocks.super_blocks): per super-block of
+    `groups` groups a float32 super-scale, per group an int8 code, with scales = d * scale_codes and mins =
+    dmin * min_codes exactly. A kernel whose layout keeps this form streams fewer bytes a weight."""
+
+    groups: int
+    d: torch.Tensor  # float32 [out, super-blocks]
+    scale_codes: torch.Tensor  # int8 [out, groups in total]
+    dmin: torch.Tensor
+    min_codes: torch.Tensor
+
+    @staticmethod
+    def cat(parts: list[SuperBlocks | None]) -> SuperBlocks | None:
+        """The parts' rows stacked (QuantLinear.concat), or None unless every part has the same form."""
+        if any(p is None for p in parts) or len({p.groups for p in parts}) != 1:
+            return None
+        fields = ("d", "scale_codes", "dmin", "min_codes")
+        return SuperBlocks(parts[0].groups, *(torch.cat([getattr(p, f) for p in parts]) for f in fields))
+
+
+def super_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> SuperBlocks | None:
+    """A K-quant's scales and mins as the file factors them (None for the other types): decode()'s scales
+    are d * scale codes and its mins dmin * min codes, both products exact in float32 and computed the same
+    way, so equal bit for bit."""
+    if type_name not in K_QUANTS:
+        return None
+    rows, cols = shape
+    per_block, nbytes, _, group = BLOCKS[type_name]
+    b = np.ascontiguousarray(raw).reshape(rows, cols // per_block, nbytes)
+    if type_name == "Q6_K":  # m = -32 s: the same codes, super-scale -32 d (exact: a power of two)
+        d = _f16(b[..., 208:210])
+        sc = b[..., 192:208].view(np.int8).reshape(rows, -1)
+        parts = (d, sc, np.float32(-32) * d, sc)
+    else:
+        sc, m = _k_scales_mins(b[..., 4:16])  # 6 bits each: 0..63 fits int8
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        parts = (d, sc.reshape(rows, -1).astype(np.int8), -dmin, m.reshape(rows, -1).astype(np.int8))
+    return SuperBlocks(per_block // group, *(torch.from_numpy(np.ascontiguousarray(p)) for p in parts))

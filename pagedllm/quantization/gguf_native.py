@@ -49,12 +49,22 @@ def gguf_quant_linear(
 ) -> QuantLinear:
     """One HF-named linear (e.g. model.layers.0.self_attn.q_proj) from its raw GGUF blocks."""
     codes, scales, mins, bits, group = _decode(type_name, raw, shape)
+    superblocks = gguf_blocks.super_blocks(type_name, raw, shape)
     if registry.get(config.architecture).gguf_permuted_qk and (".q_proj" in name or ".k_proj" in name):
         heads = config.num_heads if ".q_proj" in name else config.num_kv_heads
-        codes, scales, mins = (
-            torch.from_numpy(unpermute_qk(t.numpy(), heads).copy()) for t in (codes, scales, mins)
-        )
-    return QuantLinear.from_codes(codes, scales, mins, bits, group, bias, name)
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return torch.from_numpy(unpermute_qk(t.numpy(), heads).copy())
+
+        codes, scales, mins = rows(codes), rows(scales), rows(mins)
+        if superblocks is not None:
+            sb = superblocks
+            superblocks = type(sb)(
+                sb.groups, rows(sb.d), rows(sb.scale_codes), rows(sb.dmin), rows(sb.min_codes)
+            )
+    layer = QuantLinear.from_codes(codes, scales, mins, bits, group, bias, name)
+    layer.superblocks = superblocks
+    return layer
 
 
 def prebuilt_linears(

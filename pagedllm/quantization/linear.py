@@ -29,6 +29,7 @@ from torch import nn
 from pagedllm import ops
 from pagedllm.errors import InputError
 from pagedllm.quantization import woq_kernels
+from pagedllm.quantization.gguf_blocks import SuperBlocks
 from pagedllm.quantization.pack import pack_int4, unpack_int4
 from pagedllm.quantization.uniform import QuantizedTensor
 
@@ -77,6 +78,9 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", torch.ones(out_features, groups))
         self.register_buffer("mins", torch.zeros(out_features, groups))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+        self.superblocks: SuperBlocks | None = (
+            None  # set by the GGUF loader for K-quants (kernels may use it)
+        )
         self.kernel: woq_kernels.WoqKernel | None = None  # chosen by pack(); None: the reference
         self.layout: tuple[torch.Tensor, ...] = ()  # the kernel's copy of the weight, built by pack()
         self._packed_for: tuple[torch.dtype, str] | None = None  # (activation dtype, backend) of the layout
@@ -147,7 +151,8 @@ class QuantLinear(nn.Module):
         if any(m.bias is not None for m in layers):
             bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in layers])
         parts = [m.scales_and_mins() for m in layers]
-        return cls.from_codes(
+        superblocks = SuperBlocks.cat([m.superblocks_now() for m in layers])
+        layer = cls.from_codes(
             torch.cat([m.codes() for m in layers]),
             torch.cat([sm[0] for sm in parts]),
             torch.cat([sm[1] for sm in parts]),
@@ -156,6 +161,8 @@ class QuantLinear(nn.Module):
             bias,
             name,
         )
+        layer.superblocks = superblocks
+        return layer
 
     # ---- what is stored ---------------------------------------------------------------------------------
     @property
@@ -175,6 +182,12 @@ class QuantLinear(nn.Module):
         if self._stored_released():
             return self.kernel.unpack(self)[1:]
         return self.scales, self.mins
+
+    def superblocks_now(self) -> SuperBlocks | None:
+        """The K-quant factoring of the scales, from the loader or, once released, the kernel's layout."""
+        if self._stored_released():
+            return self.kernel.superblocks(self)
+        return self.superblocks
 
     def codes(self) -> torch.Tensor:
         """The codes as uint8 [out, in]."""
@@ -215,13 +228,14 @@ class QuantLinear(nn.Module):
             return
         kernel = woq_kernels.choose(self, dtype)
         if self._stored_released():  # the current layout is the only copy: restore the stored form first
-            codes, (scales, mins) = self.codes(), self.scales_and_mins()
+            codes, (scales, mins), superblocks = self.codes(), self.scales_and_mins(), self.superblocks_now()
             self._store(codes, scales, mins)
+            self.superblocks = superblocks
         self.kernel, self.layout = kernel, ()
         if kernel is not None:
             self.layout = kernel.pack(self)
             if kernel.holds_weight:
-                self.qweight = self.scales = self.mins = None
+                self.qweight = self.scales = self.mins = self.superblocks = None
         self._packed_for = (dtype, backend)
 
     def _store(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> None:

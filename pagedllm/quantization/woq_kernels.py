@@ -28,6 +28,7 @@ from pagedllm import ops
 from pagedllm.quantization import amx, avx2
 
 if TYPE_CHECKING:
+    from pagedllm.quantization.gguf_blocks import SuperBlocks
     from pagedllm.quantization.linear import QuantLinear
 
 Layout = tuple[torch.Tensor, ...]
@@ -60,6 +61,10 @@ class WoqKernel:
     def unpack(self, layer: QuantLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes uint8 [out, in], scales, mins float32 [out, groups]) back from layer.layout."""
         raise NotImplementedError(f"the {self.name} layout does not hold the weight")
+
+    def superblocks(self, layer: QuantLinear) -> SuperBlocks | None:
+        """The K-quant factoring of the scales back from layer.layout, where the layout keeps it."""
+        return None
 
     def matmul(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         """x [M, in] contiguous -> [M, out] in x's dtype, the bias added."""
@@ -105,10 +110,13 @@ class Avx2Kernel(WoqKernel):
 
     def pack(self, layer: QuantLinear) -> Layout:
         codes, (scales, mins) = layer.codes(), layer.scales_and_mins()
-        return avx2.pack(codes, scales, mins, layer.bits)
+        return avx2.pack(codes, scales, mins, layer.bits, layer.superblocks)
 
     def unpack(self, layer: QuantLinear):
         return avx2.unpack(layer.layout, layer.bits, layer.out_features, layer.in_features, layer.group_size)
+
+    def superblocks(self, layer: QuantLinear):
+        return avx2.superblocks(layer.layout, layer.out_features)
 
     def matmul(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         return avx2.matmul(
@@ -185,5 +193,9 @@ def _candidates(backend: str) -> tuple[WoqKernel, ...]:
 
 def choose(layer: QuantLinear, dtype: torch.dtype) -> WoqKernel | None:
     """The kernel that multiplies `layer` by `dtype` activations under the op table's backend (forced
-    included), or None for the reference."""
-    return next((k for k in _candidates(ops.backend("quantized_linear")) if k.supports(layer, dtype)), None)
+    included), or None for the reference. While a --batch-invariant model is built, only the kernels whose
+    row results do not depend on the row count (ops.ROW_INVARIANT_QUANTIZED_KERNELS)."""
+    candidates = _candidates(ops.backend("quantized_linear"))
+    if ops.building_batch_invariant():
+        candidates = [k for k in candidates if k.name in ops.ROW_INVARIANT_QUANTIZED_KERNELS]
+    return next((k for k in candidates if k.supports(layer, dtype)), None)

@@ -79,45 +79,85 @@ struct Linear {
 #endif
 };
 
+// A layer's projection: one linear, or the linears whose outputs sit side by side in it (q, k, v of different
+// GGUF types, e.g. Q4_K_M's Q4_K q / k and Q6_K v, cannot be one matmul; the model's layer loop then calls
+// them one by one and concatenates, and so does this).
+struct Projection {
+  std::vector<Linear> parts;
+  int64_t out_features = 0;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    if (parts.size() == 1) return parts[0](x);
+    std::vector<at::Tensor> outs;
+    for (const Linear& lin : parts) outs.push_back(lin(x));
+    return at::cat(outs, 1);
+  }
+
+#ifdef PAGEDLLM_STACK_SMALL_DECODE
+  void gemv_into(const at::BFloat16* x, int64_t M, int64_t K, at::BFloat16* out) const {
+    parts[0].gemv_into(x, M, K, out);  // small_decode runs single-part projections only
+  }
+#endif
+};
+
 struct Layer {
   at::Tensor input_norm, post_attention_norm;
-  Linear qkv, o, gate_up, down;
+  Projection qkv, o, gate_up, down;
 };
 
 class DecodeStack {
  public:
-  // Per layer, in this order: input norm weight, post-attention norm weight, then for qkv, o, gate_up,
-  // down: codes, scales, mins, bias (a prepacked bf16 linear: packed weight, two empty tensors, bias; an
-  // empty tensor for no bias); `shapes` holds (kind, bits, group_size, out_features) for each of the four
-  // linears of each layer (LinearKind; bits and group_size 0 for a prepacked bf16 one).
+  // Per layer: `shapes` starts with the number of linears of its qkv and of its gate_up projection (1, or
+  // 3 and 2 where they are not merged), then holds (kind, bits, group_size, out_features) for each linear
+  // in the order qkv's, o, gate_up's, down (LinearKind; bits and group_size 0 for a prepacked bf16 one);
+  // `tensors` holds the input norm weight, the post-attention norm weight, then for each linear in that
+  // order codes, scales, mins, bias (a prepacked bf16 linear: packed weight, two empty tensors, bias; an
+  // empty tensor for no bias).
   DecodeStack(std::vector<at::Tensor> tensors, std::vector<int64_t> shapes, int64_t num_heads,
               int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale) {
-    constexpr size_t kTensors = 2 + 4 * 4, kShapes = 4 * 4;
-    TORCH_CHECK(tensors.size() % kTensors == 0 && shapes.size() == tensors.size() / kTensors * kShapes,
-                "decode_stack: tensors and shapes do not describe whole layers");
-    for (size_t l = 0; l < tensors.size() / kTensors; ++l) {
-      const at::Tensor* t = tensors.data() + l * kTensors;
-      const int64_t* s = shapes.data() + l * kShapes;
-      auto linear = [&](int i) {
-        const at::Tensor* p = t + 2 + 4 * i;
-        const int64_t kind = s[4 * i], bits = s[4 * i + 1], group_size = s[4 * i + 2], n = s[4 * i + 3];
-        if (kind == kPacked) return Linear{{}, {}, {}, p[3].numel() ? p[3] : at::Tensor(), p[0], kind, 0, 0, n};
+    size_t t = 0, s = 0;
+    auto linear = [&]() {
+      TORCH_CHECK(t + 4 <= tensors.size() && s + 4 <= shapes.size(), "decode_stack: a linear is cut short");
+      const at::Tensor* p = tensors.data() + t;
+      const int64_t kind = shapes[s], bits = shapes[s + 1], group_size = shapes[s + 2], n = shapes[s + 3];
+      t += 4;
+      s += 4;
+      if (kind == kPacked) return Linear{{}, {}, {}, p[3].numel() ? p[3] : at::Tensor(), p[0], kind, 0, 0, n};
 #ifndef PAGEDLLM_STACK_AMX
-        TORCH_CHECK(kind == kAvx2, "decode_stack: this build (below the amx tier) takes AVX2-layout linears only");
+      TORCH_CHECK(kind == kAvx2, "decode_stack: this build (below the amx tier) takes AVX2-layout linears only");
 #endif
-        TORCH_CHECK(kind == kAmx || kind == kAvx2, "decode_stack: unknown linear kind ", kind);
-        const at::Tensor bias = p[3].numel() ? p[3].to(at::kFloat).contiguous() : at::Tensor();
-        return Linear{p[0], p[1], p[2], bias, {}, kind, bits, group_size, n};
-      };
-      layers_.push_back(Layer{t[0], t[1], linear(0), linear(1), linear(2), linear(3)});
+      TORCH_CHECK(kind == kAmx || kind == kAvx2, "decode_stack: unknown linear kind ", kind);
+      const at::Tensor bias = p[3].numel() ? p[3].to(at::kFloat).contiguous() : at::Tensor();
+      return Linear{p[0], p[1], p[2], bias, {}, kind, bits, group_size, n};
+    };
+    auto projection = [&](int64_t count) {
+      TORCH_CHECK(count >= 1, "decode_stack: a projection needs at least one linear");
+      Projection proj;
+      for (int64_t i = 0; i < count; ++i) {
+        proj.parts.push_back(linear());
+        proj.out_features += proj.parts.back().out_features;
+      }
+      return proj;
+    };
+    while (t < tensors.size()) {
+      TORCH_CHECK(t + 2 <= tensors.size() && s + 2 <= shapes.size(), "decode_stack: a layer is cut short");
+      const int64_t qkv_parts = shapes[s], gate_up_parts = shapes[s + 1];
+      const at::Tensor input_norm = tensors[t], post_norm = tensors[t + 1];
+      t += 2;
+      s += 2;
+      Projection qkv = projection(qkv_parts), o = projection(1), gate_up = projection(gate_up_parts),
+                 down = projection(1);
+      layers_.push_back(Layer{input_norm, post_norm, std::move(qkv), std::move(o), std::move(gate_up),
+                              std::move(down)});
     }
+    TORCH_CHECK(s == shapes.size(), "decode_stack: tensors and shapes do not describe whole layers");
 #ifdef PAGEDLLM_STACK_SMALL_DECODE
     // small_decode's kernels: every linear in the AMX layout, and bf16 attention tasks for these heads
     small_decode_layers_ = !layers_.empty() && paged::decode_tasks_bf16_for(head_dim, num_heads / num_kv_heads);
     for (const Layer& layer : layers_)
-      for (const Linear* lin : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
-        small_decode_layers_ = small_decode_layers_ && lin->kind == kAmx;
+      for (const Projection* proj : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
+        small_decode_layers_ = small_decode_layers_ && proj->parts.size() == 1 && proj->parts[0].kind == kAmx;
 #endif
   }
 

@@ -24,12 +24,20 @@ static at::Tensor check_args(const at::Tensor& x, const at::Tensor& codes, const
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3 &&
                   codes.size(0) == panels && codes.size(1) == K / kBlock && codes.size(2) == bits * 32,
               "woq_avx2: codes do not match x's K, N and bits");
-  TORCH_CHECK(scales.scalar_type() == mins.scalar_type() &&
-                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
-              "woq_avx2: scales and mins must both be float32 or both float16");
-  TORCH_CHECK(scales.is_contiguous() && mins.is_contiguous() && scales.numel() == panels * (K / group_size) * kCols &&
-                  mins.numel() == scales.numel(),
-              "woq_avx2: scales / mins do not match the shape");
+  TORCH_CHECK(scales.scalar_type() == mins.scalar_type() && scales.sizes() == mins.sizes() && scales.is_contiguous() &&
+                  mins.is_contiguous(),
+              "woq_avx2: scales and mins must be contiguous and of one form");
+  const int64_t groups = K / group_size;
+  if (scales.scalar_type() == at::kByte) {  // two-level: [panels, groups / sb, 32 + 8 sb] (woq_avx2::scale_ref)
+    const woq_avx2::ScaleRef ref = woq_avx2::scale_ref(scales);
+    TORCH_CHECK(scales.size(0) == panels && groups % (int64_t(1) << ref.shift) == 0 &&
+                    scales.size(1) == groups >> ref.shift,
+                "woq_avx2: two-level scales / mins do not match the shape");
+  } else {
+    TORCH_CHECK(scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf,
+                "woq_avx2: scales and mins must be float32, float16 or two-level uint8");
+    TORCH_CHECK(scales.numel() == panels * groups * kCols, "woq_avx2: scales / mins do not match the shape");
+  }
   at::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->to(at::kFloat).contiguous();
@@ -52,8 +60,8 @@ at::Tensor gemv_fp32(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   TORCH_CHECK(x.size(0) == 1 && x.scalar_type() == at::kFloat, "woq_avx2: gemv_fp32 takes one float32 row");
   TORCH_CHECK(group_size % kBlock == 0, "woq_avx2: gemv_fp32 takes groups that are multiples of 32");
   at::Tensor out = at::empty({1, N}, x.options());
-  woq_avx2::gemv_fp32_into(x.data_ptr<float>(), x.size(1), codes.data_ptr<uint8_t>(), scales.data_ptr(),
-                           mins.data_ptr(), scales.scalar_type() == at::kHalf, bits, group_size,
+  woq_avx2::gemv_fp32_into(x.data_ptr<float>(), x.size(1), codes.data_ptr<uint8_t>(), woq_avx2::scale_ref(scales),
+                           woq_avx2::scale_ref(mins), bits, group_size,
                            b.defined() ? b.data_ptr<float>() : nullptr, N, out.data_ptr<float>());
   return out;
 }

@@ -29,7 +29,8 @@
 //   4-bit, 128 bytes a block: 4 vectors of 32 bytes; in vector v, byte 4c + i holds column c's codes for
 //          k = 4v + i (low nibble) and k = 16 + 4v + i (high nibble).
 //   8-bit, 256 bytes a block: 8 vectors; in vector j, byte 4c + i holds (q - 128) as int8 for k = 4j + i.
-//   scales, mins: [panels, groups, 8] float16 when float16 holds them exactly (GGUF), else float32.
+//   scales, mins: [panels, groups, 8] float16 when float16 holds them exactly (GGUF), two-level for GGUF's
+//          K-quant super-blocks (FlatScales / TwoLevelScales below), else float32.
 // Why this order: one 32-bit broadcast of 4 activation bytes against a 32-byte vector gives the 8 columns'
 // 4-term dot products in 8 separate int32 lanes (VPMADDUBSW then VPMADDWD), so no horizontal sums are ever
 // needed and one unpacked weight vector is reused across up to 8 activation rows (kRows)
@@ -120,6 +121,72 @@ inline int32_t hsum(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+// The scales (or the mins) of a layer in one of avx2.pack's three forms, read group by group:
+//   float32 or float16 [panels, groups, 8]: one value a group and column (float16 where it holds them all
+//            exactly, as GGUF's d and m do);
+//   two-level [panels, groups / sb, 32 + 8 sb] bytes (GGUF's K-quant super-blocks, sb groups each): per super-
+//            block 8 float32 super-scales (one a column), then sb x 8 int8 codes; a group's value is
+//            super-scale * code, which the pack verified to be exact in float32, so the kernel reads the same
+//            numbers as from the float32 form at 4.75 bits a weight for Q4_K instead of 6 (and 9.25 instead of
+//            12 for Q6_K): decode streams the weights, so bytes are time.
+// `panel(p, groups)` moves to panel p; `at(g)` gives group g's 8 values; `addr(g)` is for prefetching.
+template <typename T>
+struct FlatScales {
+  const T* p;
+  __m256 at(int64_t g) const { return load8(p + g * kCols); }
+  const void* addr(int64_t g) const { return p + g * kCols; }
+  FlatScales panel(int64_t i, int64_t groups) const { return {p + i * groups * kCols}; }
+};
+
+struct TwoLevelScales {
+  const uint8_t* p;
+  int shift;       // log2 of the groups a super-block (sb)
+  int64_t stride;  // bytes a super-block: 32 + 8 sb
+  __m256 at(int64_t g) const {
+    const uint8_t* block = p + (g >> shift) * stride;
+    const int8_t* codes = reinterpret_cast<const int8_t*>(block + 32 + (g & ((int64_t(1) << shift) - 1)) * kCols);
+    const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes))));
+    return _mm256_mul_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(block)), c);
+  }
+  const void* addr(int64_t g) const { return p + (g >> shift) * stride; }
+  TwoLevelScales panel(int64_t i, int64_t groups) const { return {p + i * (groups >> shift) * stride, shift, stride}; }
+};
+
+// A layer's scales or mins as the tensors hold them: the form (its dtype says which) and, for two-level,
+// the super-block's shape (from the tensor's last dimension).
+struct ScaleRef {
+  enum Form { kF32, kF16, kTwoLevel } form;
+  const void* p;
+  int shift = 0;
+  int64_t stride = 0;
+};
+
+inline ScaleRef scale_ref(const at::Tensor& t) {
+  if (t.scalar_type() == at::kFloat) return {ScaleRef::kF32, t.data_ptr()};
+  if (t.scalar_type() == at::kHalf) return {ScaleRef::kF16, t.data_ptr()};
+  TORCH_CHECK(t.scalar_type() == at::kByte && t.dim() == 3 && t.size(2) > 32 && (t.size(2) - 32) % kCols == 0,
+              "woq_avx2: two-level scales must be uint8 [panels, super-blocks, 32 + 8 sb]");
+  const int64_t sb = (t.size(2) - 32) / kCols;
+  TORCH_CHECK(sb > 0 && (sb & (sb - 1)) == 0, "woq_avx2: a super-block's groups must be a power of two");
+  int shift = 0;
+  while ((int64_t(1) << shift) < sb) ++shift;
+  return {ScaleRef::kTwoLevel, t.data_ptr(), shift, t.size(2)};
+}
+
+// fn(scales, mins) with both as their accessor type (the two are always of one form: avx2.pack).
+template <typename Fn>
+inline void with_scales(const ScaleRef& sc, const ScaleRef& mn, Fn&& fn) {
+  TORCH_CHECK(sc.form == mn.form && sc.stride == mn.stride, "woq_avx2: scales and mins must be of one form");
+  if (sc.form == ScaleRef::kF32)
+    fn(FlatScales<float>{static_cast<const float*>(sc.p)}, FlatScales<float>{static_cast<const float*>(mn.p)});
+  else if (sc.form == ScaleRef::kF16)
+    fn(FlatScales<at::Half>{static_cast<const at::Half*>(sc.p)},
+       FlatScales<at::Half>{static_cast<const at::Half*>(mn.p)});
+  else
+    fn(TwoLevelScales{static_cast<const uint8_t*>(sc.p), sc.shift, sc.stride},
+       TwoLevelScales{static_cast<const uint8_t*>(mn.p), mn.shift, mn.stride});
+}
+
 // One row of x (float32 or bf16, K a multiple of 32) -> int8 codes q [K], block scales d [K/32] and
 // d * (sum of the block's codes) ds [K/32]; with ds16 (else nullptr) also d * (sum of each 16-half's codes)
 // ds16 [K/16], for group 16. Round to nearest even (VCVTPS2DQ); an all-zero block gets d = 0.
@@ -178,7 +245,7 @@ struct QuantizedX {
 // VPMADDWD by shifts and adds was slower (118 -> 106 GFLOP/s); the rows interleaved quad by quad instead
 // of one chain a row, the same speed; 32-byte loads instead of the 4-byte broadcasts, the same.
 template <int BITS, int R, typename S>
-inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes, const S* sc, const S* mn,
+inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes, S sc, S mn,
                          int64_t group_blocks, int64_t prefetch_groups, float (*res)[kCols]) {
   constexpr int64_t kBlockBytes = BITS == 4 ? 128 : 256;
   const int64_t K = a.K, nb = K / kBlock, groups = nb / group_blocks;
@@ -195,10 +262,10 @@ inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
-    _mm_prefetch(reinterpret_cast<const char*>(sc + (g + prefetch_groups) * kCols), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(mn + (g + prefetch_groups) * kCols), _MM_HINT_T0);
-    const __m256 s = load8(sc + g * kCols);
-    __m256 m = load8(mn + g * kCols);
+    _mm_prefetch(reinterpret_cast<const char*>(sc.addr(g + prefetch_groups)), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(mn.addr(g + prefetch_groups)), _MM_HINT_T0);
+    const __m256 s = sc.at(g);
+    __m256 m = mn.at(g);
     // 8-bit codes are stored as q - 128: s q + m = s (q - 128) + (m + 128 s)
     if constexpr (BITS == 8) m = _mm256_fmadd_ps(_mm256_set1_ps(128.f), s, m);
     for (int64_t b = g * group_blocks; b < (g + 1) * group_blocks; ++b) {
@@ -250,7 +317,7 @@ inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes
 // they are complete, then vectors 4-7 start fresh sums for the second group: the same registers, and a
 // convert, a multiply and two FMAs more a block and row than panel_kernel<8>.
 template <int R, typename S>
-inline void panel_kernel_g16(const QuantizedX& a, int64_t row0, const uint8_t* codes, const S* sc, const S* mn,
+inline void panel_kernel_g16(const QuantizedX& a, int64_t row0, const uint8_t* codes, S sc, S mn,
                              int64_t prefetch_groups, float (*res)[kCols]) {
   constexpr int64_t kBlockBytes = 256;
   const int64_t K = a.K, nb = K / kBlock;
@@ -267,8 +334,8 @@ inline void panel_kernel_g16(const QuantizedX& a, int64_t row0, const uint8_t* c
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256 k128 = _mm256_set1_ps(128.f);
   for (int64_t b = 0; b < nb; ++b) {
-    _mm_prefetch(reinterpret_cast<const char*>(sc + (2 * b + prefetch_groups) * kCols), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(mn + (2 * b + prefetch_groups) * kCols), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(sc.addr(2 * b + prefetch_groups)), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(mn.addr(2 * b + prefetch_groups)), _MM_HINT_T0);
     const uint8_t* c = codes + b * kBlockBytes;
     for (int64_t line = 0; line < kBlockBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchBytes + line), _MM_HINT_T0);
@@ -285,8 +352,8 @@ inline void panel_kernel_g16(const QuantizedX& a, int64_t row0, const uint8_t* c
         }
       }
       // 8-bit codes are stored as q - 128: s q + m = s (q - 128) + (m + 128 s)
-      const __m256 s = load8(sc + g * kCols);
-      const __m256 m = _mm256_fmadd_ps(k128, s, load8(mn + g * kCols));
+      const __m256 s = sc.at(g);
+      const __m256 m = _mm256_fmadd_ps(k128, s, mn.at(g));
       for (int r = 0; r < R; ++r) {
         const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(xd[r][b]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
@@ -299,8 +366,8 @@ inline void panel_kernel_g16(const QuantizedX& a, int64_t row0, const uint8_t* c
 
 // panel_kernel (panel_kernel_g16 for HALF: group 16) for `rows` (1..kRows<BITS>) rows
 template <int BITS, typename S, bool HALF = false, int R = 1>
-inline void dispatch_rows(int rows, const QuantizedX& a, int64_t row0, const uint8_t* codes, const S* sc,
-                          const S* mn, int64_t group_blocks, int64_t prefetch_groups, float (*res)[kCols]) {
+inline void dispatch_rows(int rows, const QuantizedX& a, int64_t row0, const uint8_t* codes, S sc,
+                          S mn, int64_t group_blocks, int64_t prefetch_groups, float (*res)[kCols]) {
   if constexpr (R < kRows<BITS>) {
     if (rows != R)
       return dispatch_rows<BITS, S, HALF, R + 1>(rows, a, row0, codes, sc, mn, group_blocks, prefetch_groups,
@@ -344,7 +411,7 @@ inline void store_tile(const float (*res)[kCols], int R, int64_t row0, int64_t p
 // Panels [p_begin, p_end) for all M rows: strip by strip (kStripBytes of codes), every kRows-row block of x
 // over a strip before the next. HALF: group 16 (8-bit codes), two groups a block.
 template <int BITS, typename S, typename T, bool HALF = false>
-void run_panels(const QuantizedX& a, int64_t M, const uint8_t* codes, const S* sc, const S* mn, int64_t group_size,
+void run_panels(const QuantizedX& a, int64_t M, const uint8_t* codes, S sc, S mn, int64_t group_size,
                 const float* bias, int64_t N, T* out, int64_t p_begin, int64_t p_end) {
   constexpr int64_t kBlockBytes = BITS == 4 ? 128 : 256;
   const int64_t nb = a.K / kBlock, groups = a.K / group_size, group_blocks = HALF ? 1 : group_size / kBlock;
@@ -359,9 +426,8 @@ void run_panels(const QuantizedX& a, int64_t M, const uint8_t* codes, const S* s
       const int R = int(std::min<int64_t>(kRows<BITS>, M - r0));
       for (int64_t p = ps; p < pe; ++p) {
         const uint8_t* c = codes + p * panel_bytes;
-        const S* s = sc + p * groups * kCols;
-        const S* m = mn + p * groups * kCols;
-        dispatch_rows<BITS, S, HALF>(R, a, r0, c, s, m, group_blocks, prefetch_groups, res);
+        dispatch_rows<BITS, S, HALF>(R, a, r0, c, sc.panel(p, groups), mn.panel(p, groups), group_blocks,
+                                     prefetch_groups, res);
         store_tile<T>(res, R, r0, p, bias, N, out);
       }
     }
@@ -372,8 +438,8 @@ void run_panels(const QuantizedX& a, int64_t M, const uint8_t* codes, const S* s
 // layout above (group_size a multiple of 32, or 16 with 8-bit codes). Threads (torch's pool) split the
 // panels; each task at least ~16 KB of codes x rows.
 template <typename T>
-void matmul_into(const T* x, int64_t M, int64_t K, const uint8_t* codes, const void* scales, const void* mins,
-                 bool half_scales, int64_t bits, int64_t group_size, const float* bias, int64_t N, T* out) {
+void matmul_into(const T* x, int64_t M, int64_t K, const uint8_t* codes, const ScaleRef& scales,
+                 const ScaleRef& mins, int64_t bits, int64_t group_size, const float* bias, int64_t N, T* out) {
   const int64_t nb = K / kBlock, panels = (N + kCols - 1) / kCols;
   const bool half = group_size == kHalfGroup;
   // the quantized activations: K + 8 K/32 bytes a row (+ 8 K/32 for group 16), reused by every panel
@@ -391,8 +457,8 @@ void matmul_into(const T* x, int64_t M, int64_t K, const uint8_t* codes, const v
   });
   const int64_t panel_work = nb * (bits == 4 ? 128 : 256) * M;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / panel_work);
-  auto run = [&](auto* sc, auto* mn) {
-    using S = std::remove_const_t<std::remove_pointer_t<decltype(sc)>>;
+  with_scales(scales, mins, [&](auto sc, auto mn) {
+    using S = decltype(sc);
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       if (bits == 4)
         run_panels<4, S, T>(a, M, codes, sc, mn, group_size, bias, N, out, begin, end);
@@ -401,11 +467,7 @@ void matmul_into(const T* x, int64_t M, int64_t K, const uint8_t* codes, const v
       else
         run_panels<8, S, T>(a, M, codes, sc, mn, group_size, bias, N, out, begin, end);
     });
-  };
-  if (half_scales)
-    run(static_cast<const at::Half*>(scales), static_cast<const at::Half*>(mins));
-  else
-    run(static_cast<const float*>(scales), static_cast<const float*>(mins));
+  });
 }
 
 // The same on tensors: x [M, K] float32 or bf16 (contiguous), codes / scales / mins in avx2.pack's layout,
@@ -417,13 +479,12 @@ inline at::Tensor matmul_tensor(const at::Tensor& x, const at::Tensor& codes, co
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, N}, x.options());
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  const bool half = scales.scalar_type() == at::kHalf;
+  const ScaleRef sc = scale_ref(scales), mn = scale_ref(mins);
   if (x.scalar_type() == at::kFloat)
-    matmul_into(x.data_ptr<float>(), M, K, codes.data_ptr<uint8_t>(), scales.data_ptr(), mins.data_ptr(), half, bits,
+    matmul_into(x.data_ptr<float>(), M, K, codes.data_ptr<uint8_t>(), sc, mn, bits,
                 group_size, bp, N, out.data_ptr<float>());
   else
-    matmul_into(x.data_ptr<at::BFloat16>(), M, K, codes.data_ptr<uint8_t>(), scales.data_ptr(), mins.data_ptr(),
-                half, bits, group_size, bp, N, out.data_ptr<at::BFloat16>());
+    matmul_into(x.data_ptr<at::BFloat16>(), M, K, codes.data_ptr<uint8_t>(), sc, mn, bits, group_size, bp, N, out.data_ptr<at::BFloat16>());
   return out;
 }
 
@@ -434,8 +495,8 @@ inline at::Tensor matmul_tensor(const at::Tensor& x, const at::Tensor& codes, co
 // than memory: one thread, CPU time, 576 -> 3072 Q4_1 hot 129 us vs int8 47 us; the 121 calls of the
 // default model cold 11.4 ms vs 8.2 ms. So matmul quantizes x to int8 for every M, 1 included.
 template <int BITS, typename S>
-inline void panel_fp32(const float* x, const float* xsum, int64_t K, const uint8_t* codes, const S* sc,
-                       const S* mn, int64_t group_blocks, float* res) {
+inline void panel_fp32(const float* x, const float* xsum, int64_t K, const uint8_t* codes, S sc, S mn,
+                       int64_t group_blocks, float* res) {
   constexpr int64_t kBlockBytes = BITS == 4 ? 128 : 256;
   const int64_t groups = K / kBlock / group_blocks;
   const __m256i nibble = _mm256_set1_epi8(0x0F), byte = _mm256_set1_epi32(0xFF);
@@ -463,26 +524,26 @@ inline void panel_fp32(const float* x, const float* xsum, int64_t K, const uint8
       }
     }
     const __m256 dot = _mm256_add_ps(_mm256_add_ps(d[0], d[1]), _mm256_add_ps(d[2], d[3]));
-    acc = _mm256_fmadd_ps(dot, load8(sc + g * kCols), acc);
-    acc = _mm256_fmadd_ps(load8(mn + g * kCols), _mm256_set1_ps(xsum[g]), acc);
+    acc = _mm256_fmadd_ps(dot, sc.at(g), acc);
+    acc = _mm256_fmadd_ps(mn.at(g), _mm256_set1_ps(xsum[g]), acc);
   }
   _mm256_storeu_ps(res, acc);
 }
 
 // One float32 row through panel_fp32, the panels split over threads (for the bench's comparison).
-inline void gemv_fp32_into(const float* x, int64_t K, const uint8_t* codes, const void* scales, const void* mins,
-                           bool half_scales, int64_t bits, int64_t group_size, const float* bias, int64_t N,
+inline void gemv_fp32_into(const float* x, int64_t K, const uint8_t* codes, const ScaleRef& scales,
+                           const ScaleRef& mins, int64_t bits, int64_t group_size, const float* bias, int64_t N,
                            float* out) {
   const int64_t groups = K / group_size, panels = (N + kCols - 1) / kCols;
   std::vector<float> xsum(groups, 0.f);
   for (int64_t k = 0; k < K; ++k) xsum[k / group_size] += x[k];
   const int64_t panel_bytes = K / kBlock * (bits == 4 ? 128 : 256);
-  auto run = [&](auto* sc, auto* mn) {
+  with_scales(scales, mins, [&](auto sc, auto mn) {
     at::parallel_for(0, panels, std::max<int64_t>(1, 16384 / panel_bytes), [&](int64_t begin, int64_t end) {
       alignas(32) float res[1][kCols];
       for (int64_t p = begin; p < end; ++p) {
-        const auto* s = sc + p * groups * kCols;
-        const auto* m = mn + p * groups * kCols;
+        const auto s = sc.panel(p, groups);
+        const auto m = mn.panel(p, groups);
         if (bits == 4)
           panel_fp32<4>(x, xsum.data(), K, codes + p * panel_bytes, s, m, group_size / kBlock, res[0]);
         else
@@ -490,11 +551,7 @@ inline void gemv_fp32_into(const float* x, int64_t K, const uint8_t* codes, cons
         store_tile<float>(res, 1, 0, p, bias, N, out);
       }
     });
-  };
-  if (half_scales)
-    run(static_cast<const at::Half*>(scales), static_cast<const at::Half*>(mins));
-  else
-    run(static_cast<const float*>(scales), static_cast<const float*>(mins));
+  });
 }
 
 }  // namespace woq_avx2
