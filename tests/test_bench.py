@@ -158,6 +158,8 @@ def test_cli_throughput(tmp_path: Path, capsys) -> None:
         assert report[key] == r[key]  # vLLM's flat keys at the top
     assert r["num_requests"] == 2 and r["output_tokens"] == 8 and r["total_num_tokens"] == 24
     assert r["tokens_per_second"] > r["output_tokens_per_second"] > 0
+    # the default model's decode reads tens of MB a token (135M weights, 4 to 32 bits each, lm_head included)
+    assert 20e6 < r["bytes_per_token"] < 600e6
     assert (tmp_path / "offline_random.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "output tokens/s" in printed
@@ -252,13 +254,68 @@ def test_report_states_the_memory_read_speed_at_both_ends(tmp_path):
     """The machine's speed of the moment, measured (a shared VM's swings move every absolute figure)."""
     from pagedllm.bench import report
 
-    now = report.machine_info()
-    assert 0.1 < now["memory_read_gbps"] < 10_000
-    (tmp_path / "machine.json").write_text(json.dumps(now | {"memory_read_gbps": 16.7}))
+    now = report.machine_info(threads=1)
+    assert 0.1 < now["memory_read_gbps"] < 10_000 and now["memory_read_threads"] == 1
+    (tmp_path / "machine.json").write_text(
+        json.dumps(now | {"memory_read_gbps": 16.7, "memory_read_threads": 2})
+    )
     (tmp_path / "machine_end.json").write_text(json.dumps(now | {"memory_read_gbps": 19.4}))
     text = report.render(tmp_path)
-    assert "memory read speed (`torch.sum` over 512 MB): 16.7 GB/s at the start and 19.4 at the end" in text
+    assert (
+        "memory read speed (`torch.sum` over 512 MB on 2 threads, the benchmarks' own count): 16.7 GB/s at the"
+        " start and 19.4 at the end" in text
+    )
     assert "memory read speed" not in report.render(tmp_path / "empty")  # no machine.json: no probe, no line
+
+
+def test_memory_probe_runs_on_the_threads_asked_and_gives_torch_its_own_back(monkeypatch):
+    """The roofline's bandwidth must be read on the benchmark's threads (one core cannot fill the bus)."""
+    import torch
+
+    from pagedllm.bench import report
+
+    calls = []
+    set_threads = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(n) or set_threads(n))
+    before = torch.get_num_threads()
+    assert report.memory_read_gbps(megabytes=64, repeats=1, threads=1) > 0
+    assert calls == [1, before] and torch.get_num_threads() == before
+    calls.clear()
+    # default: torch's own count (--threads, else OMP_NUM_THREADS)
+    report.memory_read_gbps(megabytes=64, repeats=1)
+    assert calls == [before, before]
+
+
+def test_report_puts_load_time_and_the_roofline_beside_the_single_stream_decode(tmp_path):
+    """single50: each system's load time, MB read per token, roofline tok/s (bandwidth / bytes) and the % of
+    it its decode reaches; the run's own bandwidth when it measured one, else the machine probe's."""
+    from pagedllm.bench import report
+
+    def row(decode: float, mb: float | None, load: float | None) -> dict:
+        r = {"output_tokens_per_second": decode, "decode_tokens_per_second": decode, "median_ttft_s": 0.05}
+        if mb:
+            r["bytes_per_token"] = int(mb * 1e6)
+        if load:
+            r["load_time_s"] = load
+        return r
+
+    s50 = {
+        "pagedllm": row(50.0, 200.0, 2.5),
+        "llama.cpp": row(40.0, 100.0, 0.8),
+        "hf": row(20.0, None, None),
+    }
+    s50 |= {"ratio_vs_llama.cpp": 1.25, "ratio_vs_hf": 2.5}
+    (tmp_path / "single50.json").write_text(json.dumps(s50))
+    machine = report.machine_info(probe_memory=False) | {"memory_read_gbps": 20.0, "memory_read_threads": 2}
+    (tmp_path / "machine.json").write_text(json.dumps(machine))
+    text = report.render(tmp_path)
+    assert "| load s | MB read / token | roofline tok/s | % of roofline |" in text
+    assert "| 1.00 (baseline of the ratios) | 2.5 | 200.0 | 100.0 | 50% |" in text  # 20 GB/s / 200 MB
+    assert "| 1.25x | 0.8 | 100.0 | 200.0 | 20% |" in text  # 20 GB/s / 100 MB = 200 tok/s; 40 of it
+    assert "| 2.50x | n/a | n/a | n/a | n/a |" in text  # recorded nothing: says so
+    assert "read bandwidth (20.0 GB/s on 2 threads, measured in this run)" in text
+    (tmp_path / "single50.json").write_text(json.dumps(s50 | {"memory_read_gbps": 10.0}))
+    assert "| 2.5 | 200.0 | 50.0 | 100% |" in report.render(tmp_path)  # the run's own bandwidth first
 
 
 # ---- the peers: llama.cpp's llama-server and OpenVINO GenAI, without either installed -------------------
@@ -387,6 +444,8 @@ def test_llama_server_run_against_a_fake_server(tmp_path: Path) -> None:
     import os
     import sys
 
+    from test_roofline import write_tiny_gguf
+
     from pagedllm.bench import llamacpp_server as ls
 
     binary = tmp_path / "llama-server"
@@ -397,12 +456,15 @@ def test_llama_server_run_against_a_fake_server(tmp_path: Path) -> None:
     os.environ["FAKE_LLAMA_LOG"] = str(log)
     try:
         prompts = [BenchPrompt([7, 8, 9], 4), BenchPrompt([1, 2], 6), BenchPrompt([3], 5)]
-        runs = ls.run_llama_server(binary, tmp_path / "m.gguf", prompts, threads=2, repeat=2)
+        model = write_tiny_gguf(tmp_path / "m.gguf")  # the fake server never reads it; the byte count does
+        runs = ls.run_llama_server(binary, model, prompts, threads=2, repeat=2)
     finally:
         del os.environ["FAKE_LLAMA_LOG"]
     assert len(runs) == 2
     for run in runs:
         assert run["num_requests"] == 3 and run["output_tokens"] == 15 and run["prompt_tokens"] == 6
+        # start to /health ok: the fake answers 503 to the first poll, and the poll waits 0.2 s before the next
+        assert run["load_time_s"] >= 0.2 and run["bytes_per_token"] == 3520  # test_roofline's hand count
     records = [json.loads(x) for x in log.read_text().splitlines()]
     assert records[0]["slots"] == 3  # one slot per prompt
     bodies = [r["body"] for r in records if "body" in r]

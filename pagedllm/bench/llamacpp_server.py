@@ -5,7 +5,9 @@ prompt (`-np N -cb`, each slot a context of the longest prompt + output), 2 thre
 file; every prompt is sent at once to its native `/completion` endpoint as our tokenizer's token ids,
 greedy, exactly max_tokens (`ignore_eos`), no prompt cache, streamed. Measured like our own rows: output
 tokens over the wall time of the whole workload; for one prompt, TTFT (first streamed token) and decode
-tokens/s after it. The reply's counts are checked against what was asked.
+tokens/s after it. The reply's counts are checked against what was asked. Each run also records the
+server's load time (process start until /health answers ok) and the file's bytes read per generated token
+(roofline.py), for the single-stream roofline.
 
 The binary: scripts/build_llama_server.sh builds it once from the llama.cpp vendored in
 llama-cpp-python==0.3.36 into ~/.cache/pagedllm/llama.cpp/0.3.36/bin/ (`PAGEDLLM_LLAMA_SERVER` or
@@ -29,6 +31,7 @@ import httpx
 
 from pagedllm.bench.dataset import BenchPrompt, prompt_token_ids
 from pagedllm.bench.launch import free_port
+from pagedllm.bench.roofline import gguf_bytes_per_token
 
 LLAMA_CPP_VERSION = "0.3.36"  # the llama-cpp-python release whose vendored llama.cpp the script builds
 BUILD_SCRIPT = "scripts/build_llama_server.sh"
@@ -247,7 +250,13 @@ def run_llama_server(
     slots = min(len(ids), MAX_SLOTS)
     cmd = server_command(binary, model_path, free_port(), slots, context_per_slot(ids, max_tokens), threads)
     print("llama.cpp:", " ".join(cmd))
+    start = time.perf_counter()
     with launched(cmd) as base_url:
+        load_time_s = time.perf_counter() - start  # start to ready: process start until /health answers ok
         asyncio.run(run_workload(base_url, ids[:1], [2]))  # warm-up: first-call costs, not timed
         runs = [asyncio.run(run_workload(base_url, ids, max_tokens)) for _ in range(repeat)]
-    return [run | {"slots": slots, "threads": threads} for run in runs]  # in the JSON, beside the figures
+    # in the JSON, beside the figures; llama.cpp multiplies the file's own blocks, so their bytes are what
+    # a decode step streams
+    extra = {"slots": slots, "threads": threads, "load_time_s": load_time_s}
+    extra["bytes_per_token"] = gguf_bytes_per_token(model_path)
+    return [run | extra for run in runs]

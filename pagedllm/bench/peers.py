@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedllm.bench.dataset import BenchPrompt
+from pagedllm.bench.roofline import model_bytes_per_token
 
 
 class _FirstTokenTimer:
@@ -63,7 +64,10 @@ def hf_generate_throughput(
     """
     from pagedllm.model.tokenizer import Tokenizer
 
+    load_start = time.perf_counter()
     model = load_hf_model(model_path, dtype)
+    load_time_s = time.perf_counter() - load_start  # start to ready: the checkpoint read into the model
+    bytes_per_token = model_bytes_per_token(model)  # dense `dtype` weights, counted as ours (roofline.py)
     tok = Tokenizer.from_checkpoint(model_path)
     ids = [p.prompt if isinstance(p.prompt, list) else tok.encode(p.prompt) for p in prompts]
     pad = tok.eos_token_id or 0
@@ -102,6 +106,8 @@ def hf_generate_throughput(
             "num_requests": len(ids),
             "prompt_tokens": sum(map(len, ids)),
             "output_tokens": out_tokens,
+            "load_time_s": load_time_s,
+            "bytes_per_token": bytes_per_token,
         }
         if timer is not None and timer.first_token_time is not None:
             ttft = timer.first_token_time - start

@@ -1,6 +1,6 @@
 """Render docs/benchmarks.md from the JSON reports scripts/bench_all.sh writes (one command regenerates all).
 
-python -m pagedllm.bench.report machine out/bench/machine.json      # before the runs
+python -m pagedllm.bench.report machine out/bench/machine.json      # before the runs (THREADS: a 3rd arg)
 python -m pagedllm.bench.report render out/bench docs/benchmarks.md  # after them
 """
 
@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from pagedllm.bench.roofline import roofline_figures
+
 SYSTEMS = {
     "pagedllm": "pagedllm (continuous batching)",
     "hf": "HF transformers `generate`, same dtype, left-padded static batch",
@@ -26,26 +28,42 @@ SYSTEMS = {
 FLAGS = ["avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"]
 
 
-def memory_read_gbps(megabytes: int = 512, repeats: int = 5) -> float:
+def memory_read_gbps(megabytes: int = 512, repeats: int = 5, threads: int | None = None) -> float:
     """How fast this machine reads memory right now, in GB/s: torch's sum over a float32 buffer larger
-    than the caches, on torch's threads, the median of a few. On a shared VM it moves with the
-    neighbours' load (over 400 MB on the 2-core VM of docs/performance.md: 21.6 GB/s one hour, 16.7 the next),
-    and every absolute figure of a benchmark with it; the ratios measured in the same run do not."""
+    than the caches, the median of a few. On a shared VM it moves with the neighbours' load (over 400 MB
+    on the 2-core VM of docs/performance.md: 21.6 GB/s one hour, 16.7 the next), and every absolute figure
+    of a benchmark with it; the ratios measured in the same run do not.
+
+    It runs on `threads` threads (default: torch's own count, which is the benchmark's: --threads, else
+    OMP_NUM_THREADS). The count matters: one core cannot saturate the memory bus, so a probe on other
+    threads than the decode it is the roofline of would set the wrong roof."""
     import torch  # here, not at the top: rendering a report needs no torch
 
-    x = torch.ones(megabytes * 2**20 // 4)
-    x.sum()  # pages touched once before timing
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - start)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        x = torch.ones(megabytes * 2**20 // 4)
+        x.sum()  # pages touched once before timing
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            x.sum()
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
     return x.numel() * 4 / sorted(times)[repeats // 2] / 1e9
 
 
-def machine_info(probe_memory: bool = True) -> dict:
+def torch_threads() -> int:
+    """The threads torch runs on in this process (what memory_read_gbps uses by default)."""
+    import torch
+
+    return torch.get_num_threads()
+
+
+def machine_info(probe_memory: bool = True, threads: int | None = None) -> dict:
     """CPU model, cores, the SIMD flags that decide bf16 speed, library versions, load and memory read
-    speed right now (the probe takes about a second)."""
+    speed right now on `threads` threads (default: torch's; the probe takes about a second)."""
     model, flags = platform.processor() or "unknown", set()
     try:
         for line in open("/proc/cpuinfo"):
@@ -69,7 +87,8 @@ def machine_info(probe_memory: bool = True) -> dict:
         "python": platform.python_version(),
         "versions": versions,
         "loadavg_1m": os.getloadavg()[0],
-        "memory_read_gbps": memory_read_gbps() if probe_memory else None,
+        "memory_read_gbps": memory_read_gbps(threads=threads) if probe_memory else None,
+        "memory_read_threads": (threads or torch_threads()) if probe_memory else None,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "llama_server": _llama_server_version(),
     }
@@ -98,11 +117,21 @@ def _memory_speed_line(start: dict, end: dict) -> list[str]:
     if start.get("memory_read_gbps") is None:
         return []
     at_end = end.get("memory_read_gbps")
+    threads = start.get("memory_read_threads")
+    on = f" on {threads} threads, the benchmarks' own count" if threads else ""
     return [
-        f"- memory read speed (`torch.sum` over 512 MB): {start['memory_read_gbps']:.1f} GB/s at the start"
+        f"- memory read speed (`torch.sum` over 512 MB{on}): {start['memory_read_gbps']:.1f} GB/s at the start"
         + (f" and {at_end:.1f} at the end" if at_end is not None else "")
         + ": on this shared VM it moves with other tenants' load, and every absolute figure below with it."
     ]
+
+
+def _read_bandwidth(run: dict, machine: dict) -> tuple[float | None, int | None]:
+    """(GB/s, threads) a run's roofline is drawn at: the bandwidth its own bench process measured, else
+    the machine probe's at the start of `make bench` (on the same OMP_NUM_THREADS as the runs)."""
+    if run.get("memory_read_gbps"):
+        return run["memory_read_gbps"], run.get("memory_read_threads")
+    return machine.get("memory_read_gbps"), machine.get("memory_read_threads")
 
 
 def _load(d: Path, name: str) -> dict | None:
@@ -110,11 +139,14 @@ def _load(d: Path, name: str) -> dict | None:
     return json.loads(p.read_text()) if p.is_file() else None
 
 
-def _offline_table(r: dict, single: bool) -> list[str]:
+def _offline_table(r: dict, single: bool, read_gbps: float | None = None) -> list[str]:
+    """single: one stream, with each system's load time and its decode against the bandwidth roofline
+    (roofline.py) at `read_gbps`."""
     if single:
         rows = [
-            "| system | decode tok/s | TTFT ms | output tok/s (incl. prefill) | ours / it |",
-            "|---|---|---|---|---|",
+            "| system | decode tok/s | TTFT ms | output tok/s (incl. prefill) | ours / it | load s "
+            "| MB read / token | roofline tok/s | % of roofline |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
     else:
         rows = [
@@ -133,13 +165,43 @@ def _offline_table(r: dict, single: bool) -> list[str]:
             ttft = v.get("median_ttft_s")
             d = f"{decode:.1f}" if decode else "n/a"
             t = f"{ttft * 1000:.0f}" if ttft else "n/a"
-            rows.append(f"| {label} | {d} | {t} | {v['output_tokens_per_second']:.1f} | {ratio} |")
+            rows.append(
+                f"| {label} | {d} | {t} | {v['output_tokens_per_second']:.1f} | {ratio} | "
+                + " | ".join(_roofline_cells(v, read_gbps))
+                + " |"
+            )
         else:
             rows.append(
                 f"| {label} | {v['output_tokens_per_second']:.1f} | {v['tokens_per_second']:.1f} | "
                 f"{v['requests_per_second']:.2f} | {v['elapsed_time']:.1f} | {ratio} |"
             )
     return rows
+
+
+def _roofline_cells(v: dict, read_gbps: float | None) -> list[str]:
+    """load s, MB read / token, roofline tok/s, % of roofline; n/a where the run did not record them."""
+    load, mb = v.get("load_time_s"), v.get("bytes_per_token")
+    fig = roofline_figures(v, read_gbps)
+    return [
+        f"{load:.1f}" if load is not None else "n/a",
+        f"{mb / 1e6:.1f}" if mb else "n/a",
+        f"{fig['roofline_tokens_per_second']:.1f}" if fig else "n/a",
+        f"{fig['percent_of_roofline']:.0f}%" if fig else "n/a",
+    ]
+
+
+def _roofline_note(read_gbps: float | None, threads: int | None) -> list[str]:
+    if not read_gbps:
+        return []
+    on = f" on {threads} threads" if threads else ""
+    return [
+        f"Roofline: a single-stream decode reads every weight once per token, so it can go no faster than the "
+        f"read bandwidth ({read_gbps:.1f} GB/s{on}, measured in this run) over the bytes read per token (the "
+        "weights as each system stores them, lm_head and norms included, the token embedding excluded); "
+        "% of roofline = decode tok/s / roofline tok/s. Load s: start to ready (our model build, "
+        "llama-server from its start until /health answers ok).",
+        "",
+    ]
 
 
 def _serve_table(runs: list[dict]) -> list[str]:
@@ -268,7 +330,8 @@ def render(d: Path) -> str:
             "One 50-token prompt, 128 tokens: decode tok/s after the first token, and time to first token.",
             "ours / it compares output tok/s including the prefill.",
             "",
-            *_offline_table(s50, single=True),
+            *_roofline_note(*_read_bandwidth(s50, m)),
+            *_offline_table(s50, single=True, read_gbps=_read_bandwidth(s50, m)[0]),
             "",
         ]
     gguf = [
@@ -285,7 +348,8 @@ def render(d: Path) -> str:
         ]
         for r, name, single in gguf:
             if r:
-                out += [f"{name}:", "", *_offline_table(r, single=single), ""]
+                gbps = _read_bandwidth(r, m)[0] if single else None
+                out += [f"{name}:", "", *_offline_table(r, single=single, read_gbps=gbps), ""]
     serve = _load(d, "serve.json")
     if serve:
         runs = serve.get("runs", [serve])
@@ -353,9 +417,10 @@ def replot(d: Path, img: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) == 2 and argv[0] == "machine":
+    if len(argv) in (2, 3) and argv[0] == "machine":  # machine FILE [THREADS]: the probe's thread count
+        threads = int(argv[2]) if len(argv) == 3 else None
         Path(argv[1]).parent.mkdir(parents=True, exist_ok=True)
-        Path(argv[1]).write_text(json.dumps(machine_info(), indent=2))
+        Path(argv[1]).write_text(json.dumps(machine_info(threads=threads), indent=2))
         return 0
     if len(argv) == 3 and argv[0] == "render":
         replot(Path(argv[1]), Path(argv[2]).parent / "img")

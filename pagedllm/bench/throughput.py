@@ -49,8 +49,18 @@ def run_offline(
         "output_tokens": output_tokens,
         "median_ttft_s": ttfts[len(ttfts) // 2],
         "decode_tokens_per_second": decode[len(decode) // 2] if decode else 0.0,
+        **bytes_per_token(llm),
         **spec,
     }
+
+
+def bytes_per_token(llm) -> dict:
+    """{"bytes_per_token": weight bytes a single-stream decode step of the engine's built model reads}
+    (roofline.py), or {} when the model is not in this process (tensor parallelism: the workers hold it)."""
+    from pagedllm.bench.roofline import model_bytes_per_token
+
+    model = llm.llm_engine.model
+    return {} if model is None else {"bytes_per_token": model_bytes_per_token(model)}
 
 
 def _spec_decode_figures(before, after) -> dict:

@@ -180,13 +180,22 @@ def _write_json(path: str | None, report: dict) -> None:
 
 # ---- throughput ---------------------------------------------------------------------------------------
 def run_throughput(args: argparse.Namespace) -> int:
+    import time
+
+    from pagedllm.bench.report import memory_read_gbps, torch_threads
+    from pagedllm.bench.roofline import format_roofline
     from pagedllm.bench.throughput import run_offline, summarize
     from pagedllm.entrypoints.llm import LLM
 
     if args.repeat < 1:
         raise InputError(f"--repeat must be at least 1, got {args.repeat}")
+    start = time.perf_counter()
     llm = LLM(**engine_kwargs(args), show_progress=False)
+    load_time_s = time.perf_counter() - start  # start to ready: the model built and loaded, the engine warm
     engine = llm.llm_engine
+    # the roofline's read bandwidth, once, before the runs: on this process's torch threads, the runs' own
+    # (--threads, else OMP_NUM_THREADS)
+    read = {"memory_read_gbps": memory_read_gbps(), "memory_read_threads": torch_threads()}
     prompts = _prompts(args, 32, engine.model_config.vocab_size)
     constraint = None
     if args.json_schema:
@@ -207,7 +216,7 @@ def run_throughput(args: argparse.Namespace) -> int:
             constrained.append(
                 summarize(run_offline(llm, prompts, args.ignore_eos, structured_outputs=constraint))
             )
-    report: dict = {"pagedllm": _median(runs)}
+    report: dict = {"pagedllm": _median(runs) | {"load_time_s": load_time_s}}
     if constrained:
         report["pagedllm+json"] = {**_median(constrained), **times}
     for peer in dict.fromkeys(args.compare):  # once each, in the order given
@@ -217,11 +226,12 @@ def run_throughput(args: argparse.Namespace) -> int:
             report["pagedllm"]["output_tokens_per_second"] / report[name]["output_tokens_per_second"]
         )
     print(_format_throughput(report))
+    print(format_roofline(report, read["memory_read_gbps"], read["memory_read_threads"]))
     # vLLM's flat keys at the top (ours), each system's full figures and the ratios beside them
     labels = _plot_labels(args, engine)
-    # the labels go into the JSON (which `bench report` re-plots from), not into `report`, whose other
-    # top-level values are all ratios
-    _write_json(args.output_json, {**report["pagedllm"], **report, **labels})
+    # the labels and the bandwidth go into the JSON (which `bench report` re-plots from), not into `report`,
+    # whose other top-level values are all ratios
+    _write_json(args.output_json, {**report["pagedllm"], **report, **labels, **read})
     if args.plot_dir:
         from pagedllm.bench.plots import plot_offline
 
@@ -325,6 +335,8 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
     for key, value in kw.items():
         if key == "enable_prefix_caching":
             flags += [] if value else ["--no-prefix-caching"]
+        elif isinstance(value, bool):  # a store_true flag: named when on
+            flags += [f"--{key.replace('_', '-')}"] if value else []
         elif value is not None:
             flags += [f"--{key.replace('_', '-')}", str(value)]
     return flags
