@@ -13,6 +13,8 @@ its kernels would fault. A CPU below avx2 gets the tier "none": every op then ru
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import platform as _platform
 from dataclasses import dataclass, field
@@ -124,3 +126,21 @@ def capabilities() -> Capabilities:
         tier=tier,
         capped_by_env=bool(cap) and tier != detected,
     )
+
+
+@cache
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:  # no C library to load: nothing to trim
+        return None
+
+
+def release_free_heap() -> None:
+    """Return the heap's free memory to the OS (glibc's malloc_trim; a no-op elsewhere). glibc keeps freed
+    blocks below its mmap threshold, which grows to 32 MB after the first big free, so building a model
+    (decoding blocks, merging layers: transients of tens of MB each) left ~800 MB of free heap resident for
+    a 1B GGUF file. Cheap (milliseconds): called between the steps of a load."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)

@@ -77,7 +77,7 @@ def stack_and_loop(model, lengths: list[int], steps: int, block_size: int = 16):
     blocks = [-(-n // block_size) for n in total]
     tables = [[1 + i + b * len(lengths) for b in range(nb)] for i, nb in enumerate(blocks)]
     num_blocks = 2 + max(max(t) for t in tables)
-    dtype = model.model.embed_tokens.weight.dtype
+    dtype = model.dtype
     caches = [
         torch.zeros(2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
         for _ in range(cfg.num_layers)

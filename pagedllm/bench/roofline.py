@@ -41,11 +41,12 @@ def model_bytes_per_token(model: nn.Module) -> int:
     from torch import nn
 
     from pagedllm.model.layers.moe import SparseMoeBlock
+    from pagedllm.quantization.embedding import QuantEmbedding
 
     seen: set[int] = set()  # a parameter shared by two modules (a tied head) is read once
 
     def count(module: nn.Module) -> float:
-        if isinstance(module, nn.Embedding):
+        if isinstance(module, (nn.Embedding, QuantEmbedding)):  # a lookup of one row (a tied table: lm_head)
             return 0
         if isinstance(module, SparseMoeBlock):
             experts = sum(count(e) for e in module.experts)

@@ -127,7 +127,7 @@ def _parts(model) -> tuple[list[torch.Tensor], list[int]] | str:
         return (
             f"no fused decoder stack on this machine (op table: decoder_stack={ops.backend('decoder_stack')})"
         )
-    dtype = model.model.embed_tokens.weight.dtype
+    dtype = model.dtype
     if dtype not in (torch.float32, torch.bfloat16):
         return f"{dtype} activations (the stack takes float32 and bf16)"
     reason = unsupported_reason(model)

@@ -207,6 +207,12 @@ class LlamaForCausalLM(nn.Module):
                 x = layer(x, local if layer.self_attn.sliding_window else rope, kv_cache, meta)
         return self.model.norm(x)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype: what the token embedding gives decoder layer 0."""
+        embed = self.model.embed_tokens
+        return embed.weight.dtype if hasattr(embed, "weight") else embed.dtype  # QuantEmbedding: its own
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """What enters decoder layer 0: the token embeddings (Gemma: times sqrt(hidden_size), rounded to
         the model's dtype first, as transformers does)."""
@@ -245,13 +251,13 @@ class LlamaForCausalLM(nn.Module):
         for name, module in (modules or {}).items():
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, module)
-            prebuilt.add(id(module))
+            prebuilt.update(id(m) for m in module.modules())  # a QuantEmbedding's table too
         for m in model.modules():  # materialize the rest, one module's own tensors at a time
             if id(m) not in prebuilt:
                 m.to_empty(device=device, recurse=False)
                 m._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
-        if config.tie_word_embeddings:  # to_empty gives each parameter its own storage: tie again
-            model.lm_head.weight = model.model.embed_tokens.weight
+        if config.tie_word_embeddings and "lm_head" not in (modules or {}):
+            model.lm_head.weight = model.model.embed_tokens.weight  # to_empty gave each its own storage
         # non-persistent buffers are not in the checkpoint: compute them for real
         model.rotary, model.rotary_local = (
             r.to(device=device, dtype=dtype) if r is not None else None for r in rotary_embeddings(config)

@@ -134,10 +134,11 @@ def shard_model(model: nn.Module, config: ModelConfig, rank: int, tp_size: int) 
     per_rank = -(-vocab // tp_size)
     start, end = min(vocab, rank * per_rank), min(vocab, (rank + 1) * per_rank)
     embed = model.model.embed_tokens
-    tied = type(model.lm_head) is nn.Linear and model.lm_head.weight is embed.weight
-    model.model.embed_tokens = VocabParallelEmbedding(
-        embed.weight.detach()[start:end].contiguous(), start, end
-    )
+    # a QuantEmbedding (a GGUF's rows looked up from blocks) is cut as floats: TP serves big models on many
+    # sockets, where the table's float copy matters less than on one
+    weight = embed.weight.detach() if hasattr(embed, "weight") else embed.dequantize_weight()
+    tied = type(model.lm_head) is nn.Linear and model.lm_head.weight is getattr(embed, "weight", None)
+    model.model.embed_tokens = VocabParallelEmbedding(weight[start:end].contiguous(), start, end)
     if tied and end - start == per_rank:
         model.lm_head = nn.Linear(config.hidden_size, per_rank, bias=False, device="meta")
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -182,6 +182,19 @@ def unpack(
     return c, groups(s), groups(m)
 
 
+def rows(
+    layout: tuple[torch.Tensor, ...], ids: torch.Tensor, bits: int, in_features: int, group_size: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """unpack() of output rows `ids` only: the panels that hold them are unpacked, nothing else."""
+    codes, s, m = layout
+    panels, at = torch.unique(ids // COLS, return_inverse=True)
+    c, sc, mn = unpack(
+        (codes[panels], s[panels], m[panels]), bits, len(panels) * COLS, in_features, group_size
+    )
+    pick = at * COLS + ids % COLS
+    return c[pick], sc[pick], mn[pick]
+
+
 def matmul(
     x: torch.Tensor,
     layout: tuple[torch.Tensor, ...],

@@ -7,8 +7,9 @@ floats at load (`unserved` lists them and their cost).
 
 What runs: the kernel the op table gives each layer (woq_kernels.py): the AVX2 kernel on every tier from
 avx2 up (any type above: its codes are 4- or 8-bit, its groups 32, or 16 with 8-bit codes for Q6_K), the
-AMX kernels for bf16 at the amx tier where they take the group. The token_embd lookup stays a float embedding; the lm_head (token_embd when tied) is served from its
-blocks where a kernel takes it without dequantizing per call.
+AMX kernels for bf16 at the amx tier where they take the group. The token_embd lookup reads its rows from
+the blocks (QuantEmbedding, where build.py asks for it); the lm_head (token_embd when tied) is served from
+its blocks where a kernel takes it without dequantizing per call.
 
 llama.cpp stores the rows of attn_q / attn_k permuted; rows are whole here (codes, scales and mins of a row
 move together), so unpermuting them is exact.
@@ -22,7 +23,9 @@ import torch
 from pagedllm.config import ModelConfig
 from pagedllm.gguf_layout import unpermute_qk
 from pagedllm.model.loader import registry
+from pagedllm.model.loader.gguf import drop_file_pages
 from pagedllm.quantization import gguf_blocks
+from pagedllm.quantization.embedding import QuantEmbedding
 from pagedllm.quantization.linear import QuantLinear
 
 NATIVE_TYPES = gguf_blocks.NATIVE_TYPES
@@ -67,24 +70,86 @@ def gguf_quant_linear(
     return layer
 
 
+# Weights a slice decodes and packs at a time: decoding and packing make several full-size transients
+# (codes, their widening, the kernel's interleave), so a 49152 x 2048 Q6_K token_embd built whole peaked
+# ~600 MB above its layout; in slices of ~8M weights the peak is a slice's.
+SLICE_WEIGHTS = 1 << 23
+
+
+def packed_gguf_linear(
+    name: str,
+    type_name: str,
+    raw: np.ndarray,
+    shape: tuple[int, ...],
+    config: ModelConfig,
+    dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> QuantLinear:
+    """gguf_quant_linear, packed for `dtype` activations; a big weight slice by slice of rows where the
+    kernel's layout stacks (QuantLinear.stack_packed), each slice's file pages given back as it is built."""
+    rows, cols = shape
+    step = max(8, SLICE_WEIGHTS // cols // 8 * 8)
+    permuted = registry.get(config.architecture).gguf_permuted_qk and (".q_proj" in name or ".k_proj" in name)
+    parts: list[QuantLinear] = []
+    if rows > step and not permuted:  # q / k rows are unpermuted per head: those are built whole
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            part = gguf_quant_linear(name, type_name, raw[r0:r1], (r1 - r0, cols), config)
+            part.pack(dtype)
+            drop_file_pages(raw)
+            if part.kernel is None or not part.kernel.stacks_rows or part.kernel.ROW_ALIGN > step:
+                parts = []  # this kernel's layout does not stack: build it whole
+                break
+            parts.append(part)
+    if parts:
+        return QuantLinear.stack_packed(parts, bias, name)
+    layer = gguf_quant_linear(name, type_name, raw, shape, config, bias)
+    layer.pack(dtype)
+    drop_file_pages(raw)
+    return layer
+
+
 def prebuilt_linears(
     gguf_tensors: dict[str, tuple[str, np.ndarray, tuple[int, ...]]],
     weights: dict[str, torch.Tensor],
     config: ModelConfig,
     dtype: torch.dtype,
-) -> dict[str, QuantLinear]:
-    """The linears the loader left as blocks only (load_gguf's served_types: no float copy was made), built
+) -> dict[str, torch.nn.Module]:
+    """The modules the loader left as blocks only (load_gguf's served_types: no float copy was made), built
     and packed before the model's float modules are, so that no float copy of them ever exists; each takes
-    its bias out of `weights`. {module name: layer}."""
-    layers = {}
+    its bias out of `weights`. The token embedding becomes a QuantEmbedding, and with tied embeddings its
+    table is the lm_head too. {module name: module}."""
+    modules: dict[str, torch.nn.Module] = {}
     for name, (type_name, raw, shape) in gguf_tensors.items():
         if not name.endswith(".weight") or name in weights:
             continue
         module = name.removesuffix(".weight")
-        layer = gguf_quant_linear(module, type_name, raw, shape, config, weights.pop(module + ".bias", None))
-        layer.pack(dtype)
-        layers[module] = layer
-    return layers
+        layer = packed_gguf_linear(
+            module, type_name, raw, shape, config, dtype, weights.pop(module + ".bias", None)
+        )
+        if module == "model.embed_tokens":
+            modules[module] = QuantEmbedding(layer, dtype)
+            if config.tie_word_embeddings and _serves_lm_head(layer):
+                layer.name = "lm_head"  # one table, two uses: named for the matmul
+                modules["lm_head"] = layer
+            elif config.tie_word_embeddings:
+                modules["lm_head"] = _float_linear(layer, dtype)
+        else:
+            modules[module] = layer
+    return modules
+
+
+def _serves_lm_head(layer: QuantLinear) -> bool:
+    """Whether the layer's kernel multiplies a decode batch without dequantizing the whole table each call
+    (the torch reference would rebuild vocab x hidden weights every step)."""
+    return layer.kernel is not None and not layer.kernel.dequantizes_at(layer, 32)
+
+
+def _float_linear(layer: QuantLinear, dtype: torch.dtype) -> torch.nn.Linear:
+    """The dequantized layer as a float nn.Linear (a tied lm_head where no kernel serves the blocks)."""
+    linear = torch.nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
+    linear.weight = torch.nn.Parameter(layer.dequantize_weight(dtype), requires_grad=False)
+    return linear
 
 
 def serve_gguf_natively(
@@ -112,11 +177,11 @@ def serve_gguf_natively(
     # does, but only where a kernel takes it: the dequantize path would rebuild 28M weights every step.
     # Its AMX bf16 tiles equal the dequantized checkpoint's bf16 lm_head; only the summation order differs.
     entry = gguf_tensors.get("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight")
-    if entry is not None and entry[0] in NATIVE_TYPES:
+    if entry is not None and entry[0] in NATIVE_TYPES and not isinstance(model.lm_head, QuantLinear):
         type_name, raw, shape = entry
         head = gguf_quant_linear("lm_head", type_name, raw, shape, config)
         head.pack(dtype)
-        if head.kernel is not None and not head.kernel.dequantizes_at(head, 32):
+        if _serves_lm_head(head):
             model.lm_head = head
             replaced.append("lm_head")
     return replaced

@@ -164,6 +164,29 @@ class QuantLinear(nn.Module):
         layer.superblocks = superblocks
         return layer
 
+    @classmethod
+    def stack_packed(
+        cls, parts: list[QuantLinear], bias: torch.Tensor | None = None, name: str = ""
+    ) -> QuantLinear:
+        """One layer from row slices packed by one kernel whose layout stacks (kernel.stacks_rows): a big
+        weight built slice by slice, so no full-size transient of it ever exists."""
+        first = parts[0]
+        kernel = first.kernel
+        if kernel is None or not kernel.stacks_rows or any(p.kernel is not kernel for p in parts):
+            raise ValueError("stack_packed: the parts must be packed by one kernel whose layout stacks")
+        if any(p.out_features % kernel.ROW_ALIGN for p in parts[:-1]):
+            raise ValueError(
+                f"stack_packed: every part but the last needs a multiple of {kernel.ROW_ALIGN} rows"
+            )
+        with torch.device("meta"):  # no stored buffers: the stacked layout is the weight
+            layer = cls(first.in_features, sum(p.out_features for p in parts), first.bits, first.group_size)
+        layer.name, layer.kernel, layer._packed_for = name, kernel, first._packed_for
+        layer.layout = kernel.stack([p.layout for p in parts])
+        layer.qweight = layer.scales = layer.mins = layer.bias = None
+        if bias is not None:
+            layer.bias = bias.detach().to(torch.float32).clone()
+        return layer
+
     # ---- what is stored ---------------------------------------------------------------------------------
     @property
     def groups(self) -> int:
@@ -198,6 +221,37 @@ class QuantLinear(nn.Module):
         if self.bits == 8:
             return (self.qweight.to(torch.int16) + 128).to(torch.uint8)
         return self.qweight
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the dequantized weight, float32 [n, in]: dequantize_weight()[ids] bit for bit,
+        computing only those rows (QuantEmbedding's lookup)."""
+        ids = ids.reshape(-1).long()
+        if self._stored_released():
+            codes, scales, mins = self.kernel.rows(self, ids)
+        else:
+            q = self.qweight[ids]
+            if self.bits <= 4:
+                codes = unpack_int4(q, self.in_features)
+            else:
+                codes = (q.to(torch.int16) + 128).to(torch.uint8) if self.bits == 8 else q
+            scales, mins = self.scales[ids], self.mins[ids]
+        w = (
+            codes.view(len(ids), scales.shape[1], -1)
+            .float()
+            .mul_(scales.unsqueeze(-1))
+            .add_(mins.unsqueeze(-1))
+        )
+        return w.reshape(len(ids), self.in_features)
+
+    def gives_rows_cheaply(self) -> bool:
+        """Whether rows() costs the rows only (the stored form, or a kernel layout that indexes by row)."""
+        return not self._stored_released() or self.kernel.indexes_rows
+
+    def stored_copy(self) -> QuantLinear:
+        """A copy in the stored form only (no kernel layout), e.g. for row lookups beside an AMX layout."""
+        return QuantLinear.from_codes(
+            self.codes(), *self.scales_and_mins(), self.bits, self.group_size, self.bias, self.name
+        )
 
     def portable_qweight(self) -> torch.Tensor:
         """The codes as model/quantized_checkpoint.py stores them: pack.py's nibbles for bits <= 4, else uint8 [out, in]."""

@@ -51,6 +51,11 @@ class WoqKernel:
 
     name: str
     holds_weight: bool  # its layout holds codes, scales and mins exactly: the stored copy can go
+    indexes_rows = False  # rows() reads only the rows asked for (else it unpacks the whole layout)
+    stacks_rows = (
+        False  # stack() joins layouts of row slices (each but the last a multiple of ROW_ALIGN rows)
+    )
+    ROW_ALIGN = 8
 
     def supports(self, layer: QuantLinear, dtype: torch.dtype) -> bool:
         raise NotImplementedError
@@ -61,6 +66,15 @@ class WoqKernel:
     def unpack(self, layer: QuantLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes uint8 [out, in], scales, mins float32 [out, groups]) back from layer.layout."""
         raise NotImplementedError(f"the {self.name} layout does not hold the weight")
+
+    def rows(self, layer: QuantLinear, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """unpack()'s (codes, scales, mins) of output rows `ids` only."""
+        codes, scales, mins = self.unpack(layer)
+        return codes[ids], scales[ids], mins[ids]
+
+    def stack(self, layouts: list[Layout]) -> Layout:
+        """The layout of the row slices' layers, one after the other (where stacks_rows)."""
+        raise NotImplementedError(f"the {self.name} layout does not stack by rows")
 
     def superblocks(self, layer: QuantLinear) -> SuperBlocks | None:
         """The K-quant factoring of the scales back from layer.layout, where the layout keeps it."""
@@ -101,7 +115,11 @@ class AmxKernel(WoqKernel):
 
 
 class Avx2Kernel(WoqKernel):
-    name, holds_weight = "avx2", True
+    name, holds_weight, indexes_rows, stacks_rows = "avx2", True, True, True
+    ROW_ALIGN = avx2.COLS  # a panel's columns
+
+    def stack(self, layouts: list[Layout]) -> Layout:
+        return tuple(torch.cat(parts) for parts in zip(*layouts))  # panels lead every tensor
 
     def supports(self, layer: QuantLinear, dtype: torch.dtype) -> bool:
         return dtype in (torch.float32, torch.bfloat16) and avx2.supports(
@@ -117,6 +135,9 @@ class Avx2Kernel(WoqKernel):
 
     def superblocks(self, layer: QuantLinear):
         return avx2.superblocks(layer.layout, layer.out_features)
+
+    def rows(self, layer: QuantLinear, ids: torch.Tensor):
+        return avx2.rows(layer.layout, ids, layer.bits, layer.in_features, layer.group_size)
 
     def matmul(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         return avx2.matmul(

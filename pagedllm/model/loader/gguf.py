@@ -7,6 +7,7 @@ dequantized by `gguf.quants.dequantize`, so the block formats stay the gguf pack
 
 from __future__ import annotations
 
+import mmap
 import re
 import struct
 import warnings
@@ -26,6 +27,7 @@ from pagedllm.errors import InputError
 from pagedllm.gguf_layout import unpermute_qk
 from pagedllm.model.loader import moe, registry
 from pagedllm.model.loader.hf_config import check_complete, split_fused
+from pagedllm.platform import release_free_heap
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_TYPES = frozenset(
@@ -337,6 +339,18 @@ def dequantize_tensor(path: Path, info: GGUFTensorInfo, raw: np.ndarray) -> np.n
     return dequantize(raw, info.type).reshape(info.shape).astype(np.float32, copy=False)
 
 
+def drop_file_pages(raw: np.ndarray) -> None:
+    """Give back what building one tensor from `raw` left resident: the memory-mapped file's pages
+    (MADV_DONTNEED: they stay in the page cache, and a later read faults them back in; the file is read
+    once, so its 640 MB for a 1B Q4_K_M need not count beside the layouts made from them) and the heap the
+    decoding freed (malloc_trim: glibc keeps freed blocks under its mmap threshold, which grows to 32 MB
+    after the first big free, so a 1B file's load left ~800 MB of free heap resident)."""
+    mapping = getattr(raw, "_mmap", None)
+    if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+        mapping.madvise(mmap.MADV_DONTNEED)
+    release_free_heap()
+
+
 def raw_tensor(data: np.memmap, info: GGUFTensorInfo) -> np.ndarray:
     """The tensor's bytes as gguf.quants expects them: uint8 rows of whole blocks, or the float dtype."""
     raw = data[info.offset : info.offset + info.nbytes]
@@ -368,7 +382,9 @@ def _split_fused_raw(
 
 # the linears whose weights may be served from their blocks without a float copy (quantization/gguf_native.py
 # replaces exactly these, one tensor each; fused and expert tensors are split as floats first)
-_SERVABLE = re.compile(r"(\.(q|k|v|o|gate|up|down)_proj|^lm_head)\.weight$")
+# what a quantized kernel serves from its blocks: the linears, and the token embedding (QuantEmbedding looks
+# its rows up from the blocks; with tied embeddings the same blocks are the lm_head)
+_SERVABLE = re.compile(r"(\.(q|k|v|o|gate|up|down)_proj|^lm_head|^model\.embed_tokens)\.weight$")
 
 
 def load_gguf(
