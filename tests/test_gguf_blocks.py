@@ -179,6 +179,12 @@ def test_two_level_layout_runs_the_float_layout_bit_for_bit(type_name):
     merged.pack(torch.bfloat16)
     if merged.kernel is not None and merged.kernel.name == "avx2":
         assert merged.layout[1].dtype == torch.uint8
+        # packed parts merge by joining their layouts (nothing unpacked): the same layout
+        for part in parts:
+            part.pack(torch.bfloat16)
+        joined = QuantLinear.concat(parts)
+        assert joined.qweight is None and joined.kernel is merged.kernel
+        assert all(torch.equal(a, b) for a, b in zip(joined.layout, merged.layout, strict=True))
     x = torch.randn(3, 512).bfloat16()
     with ops.forced(quantized_linear="torch"):
         want = torch.cat([p(x) for p in parts], dim=1)

@@ -96,16 +96,16 @@ def pack(
     else:
         c = c ^ 0x80  # q - 128 as int8's bit pattern
     c = c.reshape(panels, k // BLOCK, bits * 32).contiguous()
-    s, m = _by_panel(scales.float(), panels), _by_panel(mins.float(), panels)
-    if exact_in_float16(s) and exact_in_float16(m):
-        return c, s.half(), m.half()
-    if superblocks is not None and _factors(superblocks, scales, mins):
+    if superblocks is not None and _factors(superblocks, scales, mins):  # the smallest form: try it first
         sb = superblocks.groups
         return (
             c,
             _two_level(superblocks.d, superblocks.scale_codes, sb, panels),
             _two_level(superblocks.dmin, superblocks.min_codes, sb, panels),
         )
+    s, m = _by_panel(scales.float(), panels), _by_panel(mins.float(), panels)
+    if exact_in_float16(s) and exact_in_float16(m):
+        return c, s.half(), m.half()
     return c, s, m
 
 
@@ -116,12 +116,12 @@ def _factors(sb: SuperBlocks, scales: torch.Tensor, mins: torch.Tensor) -> bool:
     if g < 1 or g & (g - 1) or scales.shape[1] % g or sb.scale_codes.shape != scales.shape:
         return False
 
-    def product(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        return d.float().repeat_interleave(g, dim=1) * q.float()
+    n = scales.shape[0]
 
-    return torch.equal(product(sb.d, sb.scale_codes), scales.float()) and torch.equal(
-        product(sb.dmin, sb.min_codes), mins.float()
-    )
+    def equal(d: torch.Tensor, q: torch.Tensor, want: torch.Tensor) -> bool:
+        return torch.equal(d.float().unsqueeze(-1) * q.view(n, -1, g), want.float().view(n, -1, g))
+
+    return equal(sb.d, sb.scale_codes, scales) and equal(sb.dmin, sb.min_codes, mins)
 
 
 def _two_level(d: torch.Tensor, q: torch.Tensor, sb: int, panels: int) -> torch.Tensor:

@@ -150,6 +150,8 @@ class QuantLinear(nn.Module):
         bias = None
         if any(m.bias is not None for m in layers):
             bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in layers])
+        if cls._stacks(layers):  # the kernel layouts joined as they are: nothing unpacked or packed again
+            return cls.stack_packed(layers, bias, name)
         parts = [m.scales_and_mins() for m in layers]
         superblocks = SuperBlocks.cat([m.superblocks_now() for m in layers])
         layer = cls.from_codes(
@@ -164,6 +166,19 @@ class QuantLinear(nn.Module):
         layer.superblocks = superblocks
         return layer
 
+    @staticmethod
+    def _stacks(parts: list[QuantLinear]) -> bool:
+        """Whether stack_packed can join these layers: one kernel's stackable layouts, packed alike."""
+        kernel = parts[0].kernel
+        return (
+            kernel is not None
+            and kernel.stacks_rows
+            and all(p.kernel is kernel and p._packed_for == parts[0]._packed_for for p in parts)
+            and all(p._stored_released() for p in parts)
+            and all(p.out_features % kernel.ROW_ALIGN == 0 for p in parts[:-1])
+            and kernel.stackable([p.layout for p in parts])
+        )
+
     @classmethod
     def stack_packed(
         cls, parts: list[QuantLinear], bias: torch.Tensor | None = None, name: str = ""
@@ -172,11 +187,10 @@ class QuantLinear(nn.Module):
         weight built slice by slice, so no full-size transient of it ever exists."""
         first = parts[0]
         kernel = first.kernel
-        if kernel is None or not kernel.stacks_rows or any(p.kernel is not kernel for p in parts):
-            raise ValueError("stack_packed: the parts must be packed by one kernel whose layout stacks")
-        if any(p.out_features % kernel.ROW_ALIGN for p in parts[:-1]):
+        if not cls._stacks(parts):
             raise ValueError(
-                f"stack_packed: every part but the last needs a multiple of {kernel.ROW_ALIGN} rows"
+                "stack_packed: the parts must be packed alike by one kernel whose layouts stack, every part "
+                "but the last a whole number of its row groups"
             )
         with torch.device("meta"):  # no stored buffers: the stacked layout is the weight
             layer = cls(first.in_features, sum(p.out_features for p in parts), first.bits, first.group_size)

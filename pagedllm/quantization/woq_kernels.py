@@ -72,6 +72,10 @@ class WoqKernel:
         codes, scales, mins = self.unpack(layer)
         return codes[ids], scales[ids], mins[ids]
 
+    def stackable(self, layouts: list[Layout]) -> bool:
+        """Whether stack() can join these layouts (one form of scales, one input width)."""
+        return False
+
     def stack(self, layouts: list[Layout]) -> Layout:
         """The layout of the row slices' layers, one after the other (where stacks_rows)."""
         raise NotImplementedError(f"the {self.name} layout does not stack by rows")
@@ -117,6 +121,11 @@ class AmxKernel(WoqKernel):
 class Avx2Kernel(WoqKernel):
     name, holds_weight, indexes_rows, stacks_rows = "avx2", True, True, True
     ROW_ALIGN = avx2.COLS  # a panel's columns
+
+    def stackable(self, layouts: list[Layout]) -> bool:
+        return all(
+            len({(t.dtype, tuple(t.shape[1:])) for t in parts}) == 1 for parts in zip(*layouts, strict=True)
+        )
 
     def stack(self, layouts: list[Layout]) -> Layout:
         return tuple(torch.cat(parts) for parts in zip(*layouts))  # panels lead every tensor
