@@ -189,3 +189,24 @@ def test_two_level_layout_runs_the_float_layout_bit_for_bit(type_name):
     with ops.forced(quantized_linear="torch"):
         want = torch.cat([p(x) for p in parts], dim=1)
     assert ((merged(x).float() - want.float()).norm() / want.float().norm()).item() < 1.5e-2
+
+
+def test_unserved_types_are_named_with_their_float_cost():
+    """A file with types no kernel serves (Q3_K, IQ*) says which tensors are dequantized and what they cost."""
+    from pagedllm.quantization.gguf_native import unserved, unserved_message
+
+    empty = np.zeros(0, np.uint8)
+    tensors = {
+        "model.layers.0.mlp.down_proj.weight": ("Q3_K", empty, (64, 256)),
+        "model.layers.0.mlp.up_proj.weight": ("IQ2_XS", empty, (128, 256)),
+        "model.layers.0.self_attn.q_proj.weight": ("Q4_K", empty, (256, 256)),
+        "model.norm.weight": ("F32", empty, (256,)),
+    }
+    rows = unserved(tensors, torch.bfloat16)
+    assert rows == [
+        ("model.layers.0.mlp.up_proj.weight", "IQ2_XS", 128 * 256 * 2),
+        ("model.layers.0.mlp.down_proj.weight", "Q3_K", 64 * 256 * 2),
+    ]
+    msg = unserved_message(rows)
+    assert "2 tensors of type IQ2_XS, Q3_K" in msg and "0 MiB" in msg and "down_proj" in msg
+    assert unserved({k: v for k, v in tensors.items() if v[0] in ("Q4_K", "F32")}, torch.bfloat16) == []

@@ -25,7 +25,13 @@ from pagedllm.model.llama import LlamaForCausalLM
 from pagedllm.model.loader import load_checkpoint
 from pagedllm.model.quantized_checkpoint import load_quantized, read_quantization_config
 from pagedllm.model.tensor_parallel import shard_model
-from pagedllm.quantization.gguf_native import NATIVE_TYPES, prebuilt_linears, serve_gguf_natively
+from pagedllm.quantization.gguf_native import (
+    NATIVE_TYPES,
+    prebuilt_linears,
+    serve_gguf_natively,
+    unserved,
+    unserved_message,
+)
 from pagedllm.quantization.linear import QuantLinear
 from pagedllm.quantization.model import resident_weight_bytes
 
@@ -98,6 +104,8 @@ def build_model(
             del ckpt.weights  # float copies of what is about to be replaced (fused and expert tensors)
             served = [*prebuilt, *serve_gguf_natively(model, ckpt.gguf_tensors or {}, config, dtype)]
             logger.info("GGUF: %d linear layers served from their blocks", len(served))
+            if rest := unserved(ckpt.gguf_tensors or {}, dtype):
+                logger.warning(unserved_message(rest))
         elif quantization is not None:
             from pagedllm.quantization.model import quantize_model
 

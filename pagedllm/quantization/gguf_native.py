@@ -3,7 +3,7 @@
 Which types, and the exact arithmetic of each, is gguf_blocks.py's table: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
 Q5_K and Q6_K, each as codes with a float scale and min per 32 weights (16 for Q6_K: the group comes with
 the decoded blocks) whose dequantization equals llama.cpp's bit for bit. The others are dequantized to
-floats at load (`unserved` lists them and their cost).
+floats at load; `unserved` lists them and their cost, and build.py logs it as a warning.
 
 What runs: the kernel the op table gives each layer (woq_kernels.py): the AVX2 kernel on every tier from
 avx2 up (any type above: its codes are 4- or 8-bit, its groups 32, or 16 with 8-bit codes for Q6_K), the
@@ -34,6 +34,34 @@ NATIVE_TYPES = gguf_blocks.NATIVE_TYPES
 def _decode(type_name: str, raw: np.ndarray, shape: tuple[int, ...]):
     codes, scales, mins, bits, group = gguf_blocks.decode(type_name, raw, shape)
     return torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(mins), bits, group
+
+
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def unserved(
+    gguf_tensors: dict[str, tuple[str, np.ndarray, tuple[int, ...]]], dtype: torch.dtype
+) -> list[tuple[str, str, int]]:
+    """The quantized tensors no kernel serves from their blocks (types outside NATIVE_TYPES: Q2_K, Q3_K,
+    IQ*, ...), which the loader dequantizes: (name, type, bytes their `dtype` copy takes), biggest first."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    rows = [
+        (name, type_name, int(np.prod(shape)) * size)
+        for name, (type_name, _, shape) in gguf_tensors.items()
+        if type_name not in NATIVE_TYPES and type_name not in FLOAT_TYPES
+    ]
+    return sorted(rows, key=lambda r: -r[2])
+
+
+def unserved_message(rows: list[tuple[str, str, int]]) -> str:
+    """One line for the log: how many tensors, of which types, what they cost, the biggest named."""
+    types = sorted({t for _, t, _ in rows})
+    total = sum(b for _, _, b in rows) / 2**20
+    names = ", ".join(f"{n} ({t})" for n, t, _ in rows[:3]) + (", ..." if len(rows) > 3 else "")
+    return (
+        f"GGUF: {len(rows)} tensors of type {', '.join(types)} have no kernel that serves them from their "
+        f"blocks; they are dequantized at load: {total:.0f} MiB of floats ({names})"
+    )
 
 
 def decode_blocks(type_name: str, raw: np.ndarray, shape: tuple[int, ...]):
