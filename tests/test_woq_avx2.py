@@ -74,9 +74,17 @@ def rel(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
+def pack(codes, scales, mins, bits):
+    """avx2.pack; bits 6 here means 8-bit codes below 64 with group 16 (GGUF Q6_K), which pack keeps in 6
+    bits (the layout says so)."""
+    layout = avx2.pack(codes, scales, mins, 8 if bits == 6 else bits)
+    assert avx2.layout_bits(layout) == bits
+    return layout
+
+
 def check(x, codes, scales, mins, bits, group, bias=None, bound=INT8_BOUND):
     n = codes.shape[0]
-    layout = avx2.pack(codes, scales, mins, bits)
+    layout = pack(codes, scales, mins, bits)
     y = avx2.matmul(x, layout, bias, bits, group, n)
     assert y.shape == (x.shape[0], n) and y.dtype == x.dtype
     w = weight(codes, scales, mins).double()
@@ -107,6 +115,9 @@ CASES = [
     (8, 576, 136, 16, False),  # group 16 (GGUF Q6_K's sub-blocks): two groups an activation block
     (8, 160, 37, 16, False),  # group 16, K = 32 x 5, N = 37
     (8, 32, 9, 16, False),  # group 16, the smallest K: one activation block, two groups
+    (6, 576, 136, 16, False),  # Q6_K's 6-bit codes, group 16: the 6-bit layout
+    (6, 160, 37, 16, False),
+    (6, 32, 9, 16, False),
 ]
 
 
@@ -118,7 +129,7 @@ def test_shapes_float32(bits, k, n, group, exact):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 31, 32, 33, 100, 300])  # every remainder of 8 and 6
-@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (8, None), (8, 16)])
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (8, None), (8, 16), (6, 16)])
 def test_rows(rows, bits, group):
     codes, scales, mins = layer(70, 288, bits, group, fp16_exact=group == 32)
     check(torch.randn(rows, 288), codes, scales, mins, bits, group, bias=torch.randn(70))
@@ -144,7 +155,7 @@ def test_bias_and_bf16_in_and_out(bits, group):
 @pytest.mark.parametrize("bits,k,n,group,exact", CASES)
 def test_pack_unpack_round_trip_bit_for_bit(bits, k, n, group, exact):
     codes, scales, mins = layer(n, k, bits, group, exact)
-    layout = avx2.pack(codes, scales, mins, bits)
+    layout = pack(codes, scales, mins, bits)
     assert layout[1].dtype == (torch.float16 if exact else torch.float32)  # fp16 exactly when it is exact
     back = avx2.unpack(layout, bits, n, k, group)
     for got, want in zip(back, (codes, scales, mins)):

@@ -24,6 +24,7 @@ import torch
 from pagedllm import ops
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.model.layers.packed_linear import PackedLinear
+from pagedllm.quantization import avx2
 from pagedllm.quantization.linear import QuantLinear
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_stack.cpp"
@@ -53,7 +54,8 @@ def _linear_parts(layer, dtype: torch.dtype, amx_build: bool) -> tuple[list[torc
         return [*layer.layout, bias], [_AMX, layer.bits, layer.group, layer.out_features]
     if kernel == "avx2":  # the AVX2 kernel serves every row count, so one row's kernel is every step's
         bias = layer.bias.float() if layer.bias is not None else empty  # as woq_avx2.cpp takes it
-        return [*layer.layout, bias], [_AVX2, layer.bits, layer.group, layer.out_features]
+        bits = avx2.layout_bits(layer.layout)  # 6 for Q6_K's codes kept in 6 bits
+        return [*layer.layout, bias], [_AVX2, bits, layer.group, layer.out_features]
     return f"a {layer.bits}-bit linear on {kernel} (the stack calls the amx and avx2 kernels' layouts)"
 
 

@@ -68,6 +68,11 @@ def _by_panel(t: torch.Tensor, panels: int) -> torch.Tensor:
     return padded.view(panels, COLS, g).transpose(1, 2).contiguous()
 
 
+def layout_bits(layout: tuple[torch.Tensor, ...]) -> int:
+    """The bits a code takes in the layout: 4, 8, or 6 where pack kept GGUF Q6_K's codes in 6 bits."""
+    return layout[0].shape[2] // 32
+
+
 def pack(
     codes: torch.Tensor,
     scales: torch.Tensor,
@@ -87,12 +92,19 @@ def pack(
     if k % BLOCK or scales.shape != mins.shape or scales.shape[0] != n or k % scales.shape[1]:
         raise ValueError(f"avx2.pack: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} do not fit")
     panels = -(-n // COLS)
+    if bits == 8 and scales.shape[1] * HALF_GROUP == k and int(codes.max()) < 64:
+        bits = 6  # GGUF Q6_K: its 6-bit codes in 6 bits (csrc/woq_avx2.h's panel_kernel_q6)
     c = torch.zeros(panels * COLS, k, dtype=torch.uint8)
     c[:n] = codes
     # [panel, column, block, quad, i] -> [panel, block, quad, column, i]: byte 4c + i of quad j's vector
     c = c.view(panels, COLS, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4)
     if bits == 4:
         c = c[:, :, :4] | (c[:, :, 4:] << 4)  # vector v: low nibble k = 4v + i, high nibble k = 16 + 4v + i
+    elif bits == 6:  # the 4-bit vectors of the low nibbles, then two planes of the top 2 bits
+        low = c & 0x0F
+        top = c >> 4  # [panel, block, quad j = 4h + t, column, i]: bits 2t of plane h
+        planes = sum(top[:, :, t::4] << (2 * t) for t in range(4))  # [panel, block, h, column, i]
+        c = torch.cat((low[:, :, :4] | (low[:, :, 4:] << 4), planes.to(torch.uint8)), dim=2)
     else:
         c = c ^ 0x80  # q - 128 as int8's bit pattern
     c = c.reshape(panels, k // BLOCK, bits * 32).contiguous()
@@ -166,9 +178,16 @@ def unpack(
     """pack's layout back to (codes uint8 [N, K], scales float32 [N, G], mins float32 [N, G]) exactly."""
     codes, s, m = layout
     panels, blocks = codes.shape[:2]
+    bits = layout_bits(layout)
     if bits == 4:
         c = codes.view(panels, blocks, 4, COLS, 4)
         c = torch.cat((c & 0x0F, c >> 4), dim=2)  # quads 0..3, then 4..7
+    elif bits == 6:
+        c = codes.view(panels, blocks, 6, COLS, 4)
+        low = torch.cat((c[:, :, :4] & 0x0F, c[:, :, :4] >> 4), dim=2)  # quads 0..7
+        planes = c[:, :, 4:6]  # [.., h, ..]: quad 4h + t's top bits at 2t
+        top = torch.stack([(planes >> (2 * t)) & 0x03 for t in range(4)], dim=3)  # [.., h, t, column, i]
+        c = low | (top.reshape(panels, blocks, 8, COLS, 4) << 4)
     else:
         c = (codes ^ 0x80).view(panels, blocks, 8, COLS, 4)
     c = c.permute(0, 3, 1, 2, 4).reshape(panels * COLS, in_features)[:out_features].contiguous()
@@ -219,4 +238,5 @@ def matmul(
         raise ValueError("avx2.matmul: x must be contiguous")
     if bias is not None and bias.shape != (out_features,):
         raise ValueError(f"avx2.matmul: bias must be [{out_features}], got {tuple(bias.shape)}")
+    bits = layout_bits(layout)  # 6 where pack kept Q6_K's codes in 6 bits
     return ext.matmul(x, codes, s, m, bias, bits, k if group_size is None else group_size, out_features)

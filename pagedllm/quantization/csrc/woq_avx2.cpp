@@ -14,10 +14,11 @@ static at::Tensor check_args(const at::Tensor& x, const at::Tensor& codes, const
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "woq_avx2: x must be [M, K] float32 or bfloat16");
   TORCH_CHECK(x.is_contiguous(), "woq_avx2: x must be contiguous");
-  TORCH_CHECK(bits == 4 || bits == 8, "woq_avx2: bits must be 4 or 8");
+  TORCH_CHECK(bits == 4 || bits == 8 || (bits == 6 && group_size == 16),
+              "woq_avx2: bits must be 4 or 8 (6: GGUF Q6_K's codes, group 16)");
   const int64_t M = x.size(0), K = x.size(1), panels = (N + kCols - 1) / kCols;
   TORCH_CHECK(M >= 1 && N >= 1, "woq_avx2: needs M >= 1 and N >= 1");
-  TORCH_CHECK(K % kBlock == 0 && group_size > 0 && (group_size % kBlock == 0 || (bits == 8 && group_size == 16)) &&
+  TORCH_CHECK(K % kBlock == 0 && group_size > 0 && (group_size % kBlock == 0 || (bits >= 6 && group_size == 16)) &&
                   K % group_size == 0,
               "woq_avx2: needs K a multiple of 32, the group size a multiple of 32 (or 16 with 8-bit codes), K a "
               "multiple of the group size");

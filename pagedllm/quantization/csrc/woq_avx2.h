@@ -65,6 +65,8 @@ constexpr int64_t kHalfGroup = 16;  // 8-bit codes also take groups of half a bl
 // (8 rows' accumulators and the 8 unpacked vectors do not all fit in 16 registers; it still pays.)
 template <int BITS>
 constexpr int kRows = BITS == 4 ? 8 : 6;
+// bytes of one panel's 32-input block: 4-bit 128, 6-bit (Q6_K, group 16 only) 192, 8-bit 256
+constexpr int64_t block_bytes(int64_t bits) { return bits * 32; }
 constexpr int kMaxRows = 8;  // the largest kRows
 
 // Decode-time weights come from DRAM and one call is too short for the hardware prefetcher to ramp up, so
@@ -364,6 +366,64 @@ inline void panel_kernel_g16(const QuantizedX& a, int64_t row0, const uint8_t* c
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(res[r], acc[r]);
 }
 
+// GGUF Q6_K with its codes in 6 bits, group 16 (what panel_kernel_g16 runs on 8-bit codes, at 3/4 of the
+// bytes: decode streams the weights, so bytes are time). A block's 192 bytes a panel: the 4-bit layout's 4
+// nibble vectors (vector v: k = 4v + i low, k = 16 + 4v + i high), then two vectors of the codes' top 2 bits:
+// byte 4c + i of plane h holds those of k = 16h + 4t + i in bits 2t, 2t + 1 (t = 0..3). The codes 0..63 are
+// VPMADDUBSW's unsigned operand as they are (a pair at most 2 * 63 * 127 = 16002 < 32767), so no q - 128
+// shift: s q + m with the file's m = -32 s. The integer sums are the 8-bit path's exactly; the float steps
+// apply m rather than m + 128 s, so results agree within float32 rounding, not bit for bit.
+template <int R, typename S>
+inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* codes, S sc, S mn,
+                            int64_t prefetch_groups, float (*res)[kCols]) {
+  constexpr int64_t kBlockBytes = block_bytes(6);
+  const int64_t K = a.K, nb = K / kBlock;
+  const int8_t* xq[R];
+  const float* xd[R];
+  const float* xds[R];
+  for (int r = 0; r < R; ++r) {
+    xq[r] = a.q + (row0 + r) * K;
+    xd[r] = a.d + (row0 + r) * nb;
+    xds[r] = a.ds16 + (row0 + r) * 2 * nb;
+  }
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i nibble = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
+  for (int64_t b = 0; b < nb; ++b) {
+    _mm_prefetch(reinterpret_cast<const char*>(sc.addr(2 * b + prefetch_groups)), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(mn.addr(2 * b + prefetch_groups)), _MM_HINT_T0);
+    const uint8_t* c = codes + b * kBlockBytes;
+    for (int64_t line = 0; line < kBlockBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchBytes + line), _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {
+      const int64_t g = 2 * b + h;
+      const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 128 + 32 * h));
+      __m256i isum[R];
+      for (int t = 0; t < 4; ++t) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * t));
+        const __m256i low = _mm256_and_si256(h == 0 ? raw : _mm256_srli_epi16(raw, 4), nibble);
+        // the 2 top bits stay inside their byte: masked to 0..3 before the shift up by 4
+        const __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(plane, 2 * t), two), 4);
+        const __m256i w = _mm256_or_si256(low, top);
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = bcast4(xq[r] + b * kBlock + 16 * h + 4 * t);
+          const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+          isum[r] = t == 0 ? prod : _mm256_add_epi32(isum[r], prod);
+        }
+      }
+      const __m256 s = sc.at(g);
+      const __m256 m = mn.at(g);
+      for (int r = 0; r < R; ++r) {
+        const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(xd[r][b]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xds[r][g]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(res[r], acc[r]);
+}
+
 // panel_kernel (panel_kernel_g16 for HALF: group 16) for `rows` (1..kRows<BITS>) rows
 template <int BITS, typename S, bool HALF = false, int R = 1>
 inline void dispatch_rows(int rows, const QuantizedX& a, int64_t row0, const uint8_t* codes, S sc,
@@ -373,7 +433,9 @@ inline void dispatch_rows(int rows, const QuantizedX& a, int64_t row0, const uin
       return dispatch_rows<BITS, S, HALF, R + 1>(rows, a, row0, codes, sc, mn, group_blocks, prefetch_groups,
                                                  res);
   }
-  if constexpr (HALF)
+  if constexpr (HALF && BITS == 6)
+    panel_kernel_q6<R, S>(a, row0, codes, sc, mn, prefetch_groups, res);
+  else if constexpr (HALF)
     panel_kernel_g16<R, S>(a, row0, codes, sc, mn, prefetch_groups, res);
   else
     panel_kernel<BITS, R, S>(a, row0, codes, sc, mn, group_blocks, prefetch_groups, res);
@@ -413,7 +475,7 @@ inline void store_tile(const float (*res)[kCols], int R, int64_t row0, int64_t p
 template <int BITS, typename S, typename T, bool HALF = false>
 void run_panels(const QuantizedX& a, int64_t M, const uint8_t* codes, S sc, S mn, int64_t group_size,
                 const float* bias, int64_t N, T* out, int64_t p_begin, int64_t p_end) {
-  constexpr int64_t kBlockBytes = BITS == 4 ? 128 : 256;
+  constexpr int64_t kBlockBytes = block_bytes(BITS);
   const int64_t nb = a.K / kBlock, groups = a.K / group_size, group_blocks = HALF ? 1 : group_size / kBlock;
   const int64_t panel_bytes = nb * kBlockBytes;
   const int64_t strip = std::max<int64_t>(1, kStripBytes / panel_bytes);
@@ -455,13 +517,15 @@ void matmul_into(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S
     for (int64_t r = begin; r < end; ++r)
       quantize_row(x + r * K, K, q + r * K, d + r * nb, d + M * nb + r * nb, half ? ds16 + 2 * r * nb : nullptr);
   });
-  const int64_t panel_work = nb * (bits == 4 ? 128 : 256) * M;
+  const int64_t panel_work = nb * block_bytes(bits) * M;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / panel_work);
   with_scales(scales, mins, [&](auto sc, auto mn) {
     using S = decltype(sc);
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       if (bits == 4)
         run_panels<4, S, T>(a, M, codes, sc, mn, group_size, bias, N, out, begin, end);
+      else if (bits == 6)  // Q6_K's 6-bit codes: group 16 only
+        run_panels<6, S, T, true>(a, M, codes, sc, mn, group_size, bias, N, out, begin, end);
       else if (half)
         run_panels<8, S, T, true>(a, M, codes, sc, mn, group_size, bias, N, out, begin, end);
       else
