@@ -18,12 +18,23 @@ Ops (the code that dispatches on them):
     argmax            greedy sampling of a whole batch (worker/sampler.py)
     decoder_stack     all decoder layers of a decode step in one fused call, or the model's layer loop
                       (model/decode_stack.py; whether a model can take it is decided with the model)
+
+Batch invariance (--batch-invariant, vLLM's VLLM_BATCH_INVARIANT): an engine built with it gives a request the
+same numbers, so the same greedy tokens, whatever else is in its steps (alone, in a batch, chunked, after a
+cached prefix, recomputed after a preemption, verifying drafts, on a data-parallel replica). Its choices are
+made here (`BATCH_INVARIANT`, `ROW_INVARIANT_QUANTIZED_KERNELS`) and read where kernels are chosen:
+`batch_invariant()` is in force while such an engine's model is built (woq_kernels.choose then keeps to the
+row-invariant kernels), and its model runner feeds every token as a decode row (worker/model_runner.py), so
+attention is the decode kernel's for every query row and every step takes the same decoder path.
+worker/batch_invariant.py names what a built model would still compute differently by batch (a dense linear,
+a kernel not in the list, the torch decode); the engine refuses it, naming it.
 """
 
 from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import cache
 from types import ModuleType
@@ -46,6 +57,24 @@ REFERENCE = "torch"  # every op's reference backend: plain torch, what every oth
 # quantized_linear's backends and the kernels each reads (woq_kernels.py): at the amx tier the AMX kernels
 # take bf16 activations and the AVX2 one float32; "torch-packed" is torch's int4/int8 kernels, no C++
 QUANTIZED_LINEAR_KERNELS = {"amx": ("woq_amx", "woq_avx2"), "avx2": ("woq_avx2",), "torch-packed": ()}
+# quantized-linear kernels (woq_kernels.py names) whose result for a row does not depend on the other rows of
+# the call: the AVX2 kernel rounds each row to int8 on its own and sums each output in one fixed order (its
+# 32-blocks in turn, whatever kRows block the row falls in), and threads split output columns, never a sum.
+# Not "amx" (AVX512-BF16 dot products for 1-4 rows, AMX tiles above: two summation orders), not "torch-packed"
+# (its own kernel up to 48/64 rows, the weight dequantized for F.linear above).
+ROW_INVARIANT_QUANTIZED_KERNELS = ("avx2",)
+# What --batch-invariant runs for each op whose choice it changes, and why (`pagedllm env` prints it)
+BATCH_INVARIANT = {
+    "quantized_linear": "the avx2 kernel for every row count (at the amx tier too: no 1-4 row dot products "
+    "there); a linear it does not take is refused",
+    "attention_decode": "the C++ decode kernel for every query row, prompts' and verified drafts' included "
+    "(each row alone over its context through the block table); the torch decode (padded to the batch's "
+    "longest context) is refused",
+    "attention_prefill": "not used: prompt rows run as decode rows",
+    "decoder_stack": "every step is decode rows, so every step takes the same path (the fused stack where it "
+    "was built, else the layer loop)",
+    "linear": "dense linears are refused (oneDNN / MKL choose their blocking by the row count)",
+}
 
 
 @dataclass(frozen=True)
@@ -181,6 +210,26 @@ def table() -> dict[str, Choice]:
 
 
 _forced: dict[str, str] = {}
+# True inside batch_invariant() (per thread: an engine built on another thread meanwhile is not affected)
+_batch_invariant_build: ContextVar[bool] = ContextVar("batch_invariant_build", default=False)
+
+
+@contextmanager
+def batch_invariant():
+    """In force while a --batch-invariant engine's model is built: the build-time choices (a quantized
+    linear's kernel, woq_kernels.choose) keep to the kernels whose row results do not depend on the batch."""
+    token = _batch_invariant_build.set(True)
+    try:
+        yield
+    finally:
+        _batch_invariant_build.reset(token)
+
+
+def building_batch_invariant() -> bool:
+    """Whether a --batch-invariant model is being built (inside batch_invariant())."""
+    return _batch_invariant_build.get()
+
+
 _kernel_cache: dict[tuple[str, str | None], ModuleType | None] = {}  # (op, name) -> module, unforced
 
 

@@ -38,6 +38,7 @@ from pagedllm.spec_decode.draft_model import DraftModelProposer, load_draft_mode
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.units import format_size, parse_size
+from pagedllm.worker import batch_invariant as batch_invariance
 
 if TYPE_CHECKING:
     from pagedllm.worker.model_runner import ModelRunner
@@ -161,10 +162,14 @@ class LLMEngine:
         show_progress: bool = True,
         speculative_config: SpeculativeConfig | dict | str | None = None,
         tensor_parallel_size: int = 1,
+        batch_invariant: bool = False,
     ):
         """tensor_parallel_size: the model split over that many worker processes on this machine
         (executor/multiproc.py; gloo); 1 runs it in this process. Either way this process reads only the
-        model's config and sizes the KV cache from it; the executor loads the weights (make_executor)."""
+        model's config and sizes the KV cache from it; the executor loads the weights (make_executor).
+        batch_invariant: a request's greedy tokens (its logits, bit for bit) do not depend on what else runs
+        in its steps (ops.py's BATCH_INVARIANT, worker/batch_invariant.py); what the mode cannot make
+        invariant (tensor parallelism, dense linears, a quantized KV cache) is refused, naming it."""
         # check every option before the (slow) model load, so a typo fails at once
         for name, value in (
             ("block_size", block_size),
@@ -187,6 +192,13 @@ class LLMEngine:
         self.model_path = path = resolve_model_path(model)
         ops.table()  # every kernel this machine's op table picks is built now, never inside a request
         self.quantization = resolve_quantization(path, quantization)
+        self.batch_invariant = bool(batch_invariant)
+        if self.batch_invariant:
+            problem = batch_invariance.engine_problem(
+                tensor_parallel_size, self.quantization, kv_dtype, self.dtype
+            )
+            if problem is not None:
+                raise InputError(f"batch_invariant cannot be kept with {problem}", batch_invariance.PARAM)
         self.tensor_parallel_size = tensor_parallel_size
         self.model_config = cfg = read_model_config(path)
         kv_cfg = _largest_rank_kv_config(cfg, tensor_parallel_size)  # refuses a split that cannot be made
@@ -216,7 +228,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
         self.executor: Executor = make_executor(
             WorkerConfig(
-                str(path), self.dtype, self.quantization, self.cache_config, tensor_parallel_size, seed
+                str(path),
+                self.dtype,
+                self.quantization,
+                self.cache_config,
+                tensor_parallel_size,
+                seed,
+                batch_invariant=self.batch_invariant,
             ),
             show_progress,
         )

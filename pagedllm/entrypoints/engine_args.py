@@ -197,6 +197,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="split the model over N worker processes on this machine (torch.distributed, gloo): heads, MLP "
         "and vocabulary, each rank with its share of the KV cache; --kv-cache-memory is per rank (default: 1)",
     )
+    g.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's greedy tokens do not depend on what else runs in its steps (vLLM's "
+        "VLLM_BATCH_INVARIANT): alone, in a batch, chunked, after a cached prefix, with speculative decoding "
+        "or on a data-parallel replica; every token runs as a decode row on kernels whose row results do not "
+        "depend on the batch. Refused with tensor parallelism, dense linears or a quantized KV cache "
+        "(default: off)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -215,4 +224,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         quantization=args.quantization,
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
+        batch_invariant=args.batch_invariant,
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import sys
 import traceback
+from contextlib import nullcontext
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -38,21 +39,30 @@ class WorkerConfig:
     seed: int = 0
     num_threads: int = 0  # each rank's torch threads (MultiprocExecutor sets them)
     init_method: str = ""  # tcp://127.0.0.1:PORT, where the ranks meet (MultiprocExecutor sets it)
+    batch_invariant: bool = False  # --batch-invariant: the model built under ops.batch_invariant(), run so
 
 
 def make_runner(config: WorkerConfig, rank: int = 0, show_progress: bool = False) -> ModelRunner:
     """Rank `rank`'s model runner: its share of the model, loaded for inference, and its KV cache. The
     same code on every rank and in the engine's own process (tp_size 1), so a step, verify rows of draft
     tokens included, is prepared and run alike everywhere; only rank 0 samples."""
-    model, local_config = load_model_for_inference(
-        config.model_path,
+    with ops.batch_invariant() if config.batch_invariant else nullcontext():
+        model, local_config = load_model_for_inference(
+            config.model_path,
+            config.dtype,
+            config.quantization,
+            tp_rank=rank,
+            tp_size=config.tp_size,
+            show_progress=show_progress,
+        )
+    return ModelRunner(
+        model,
+        local_config,
+        config.cache_config,
         config.dtype,
-        config.quantization,
-        tp_rank=rank,
-        tp_size=config.tp_size,
-        show_progress=show_progress,
+        samples=rank == 0,
+        batch_invariant=config.batch_invariant,
     )
-    return ModelRunner(model, local_config, config.cache_config, config.dtype, samples=rank == 0)
 
 
 def run_worker(rank: int, config: WorkerConfig, conn: Connection) -> None:

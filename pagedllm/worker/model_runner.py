@@ -15,6 +15,8 @@ import torch
 from pagedllm.attention.kv_quant import QuantizedKVCache, resolve_kv_cache_dtype
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import CacheConfig, ModelConfig
+from pagedllm.errors import InputError
+from pagedllm.worker import batch_invariant as batch_invariance
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.prompt_logprobs import PromptLogprobs, PromptLogprobsSpan, compute_prompt_logprobs
 from pagedllm.worker.rejection_sampler import greedy_verify, rejection_sample
@@ -45,12 +47,18 @@ class ModelRunner:
         dtype: torch.dtype,
         max_decode_rows_chunk: int = 0,
         samples: bool = True,
+        batch_invariant: bool = False,
     ):
         """max_decode_rows_chunk: a chunk of 2..this many tokens after cached ones, its request's last, runs
         as decode rows (the draft model's catch-up of one or two tokens a step); 0 = never.
         samples: False on a tensor-parallel worker other than rank 0: it runs the forward and the logits
-        (collectives every rank joins) and leaves sampling to rank 0."""
+        (collectives every rank joins) and leaves sampling to rank 0.
+        batch_invariant: --batch-invariant (ops.py, batch_invariant.py): every token of every step runs as a
+        decode row, prompt chunks included, so a row's numbers never depend on how its request was batched
+        or chunked; the model must have been built under ops.batch_invariant() (InputError naming what
+        would still depend on the batch)."""
         self.model = model
+        self.batch_invariant = batch_invariant
         self.samples = samples
         self.input_batch = InputBatch()
         self.max_decode_rows_chunk = max_decode_rows_chunk
@@ -67,6 +75,12 @@ class ModelRunner:
             self.kv_caches = [
                 torch.zeros((2, *shape), dtype=kv_dtype) for _ in range(model_config.num_layers)
             ]
+        if batch_invariant:
+            problem = batch_invariance.attention_problem(kv_dtype, dtype) or batch_invariance.model_problem(
+                model
+            )
+            if problem is not None:
+                raise InputError(f"batch_invariant cannot be kept with {problem}", batch_invariance.PARAM)
 
     def copy_blocks(self, blocks_to_copy: list[tuple[int, int]]) -> None:
         """Copy-on-write: give a request its own copy of a shared block before it writes into it."""
@@ -86,12 +100,13 @@ class ModelRunner:
         """The flat batch. A request verifying draft tokens (spec) feeds its last token and the drafts as
         that many decode rows over its one block table, row j seeing positions 0..start + j: each layer
         writes the whole step's K/V before attending, so the decode kernels (and the fused stack) attend a
-        row to the drafts before it without a per-sequence path."""
+        row to the drafts before it without a per-sequence path. Under batch_invariant every request's
+        tokens are fed so, a prompt's chunk too: its row for position p is what a decode at p computes."""
         bs = self.block_size
         spec = spec or {}
 
         def as_decode_rows(req) -> bool:
-            if req.request_id in spec:
+            if req.request_id in spec or self.batch_invariant:
                 return True
             n, start = num_new[req.request_id], req.num_computed_tokens
             return (
@@ -103,7 +118,7 @@ class ModelRunner:
 
         rows_of = (
             {r.request_id for r in requests if as_decode_rows(r)}
-            if spec or self.max_decode_rows_chunk
+            if spec or self.max_decode_rows_chunk or self.batch_invariant
             else ()
         )
         # decodes (one new token) and decode rows first: the attention backend attends them in one call
@@ -113,11 +128,22 @@ class ModelRunner:
         slot_mapping: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        tables: list[tuple[list[int], int]] = []  # each request's block table and its rows
         sample_rows: list[int] = []  # index into the flat batch of each sampling row's last token
         sampling_requests = []
         prompt_spans: list[PromptLogprobsSpan] = []
         num_decodes = 0
+
+        def add_prompt_span(req, start: int, end: int) -> None:
+            """The rows of tokens start..end-1 that predict prompt tokens, if the request asked for their
+            logprobs (they begin at the next row of the flat batch)."""
+            num_top = req.sampling_params.prompt_logprobs
+            last = min(end, req.num_prompt_tokens - 1)  # rows before it predict prompt tokens
+            if num_top is not None and start < last:
+                prompt_spans.append(
+                    PromptLogprobsSpan(req.request_id, query_start_loc[-1], last - start, start + 1, num_top)
+                )
+
         for req in order:
             n, start = num_new[req.request_id], req.num_computed_tokens
             end = start + n
@@ -128,9 +154,10 @@ class ModelRunner:
                     input_ids.extend(req.tokens(start, start + 1))
                     input_ids.extend(drafts)
                     first_sampling = start
-                else:  # a short chunk: its last row samples
+                else:  # a chunk: its last row samples if it reaches the last known token
                     input_ids.extend(req.tokens(start, end))
-                    first_sampling = end - 1
+                    first_sampling = end - 1 if end == req.num_tokens else end
+                    add_prompt_span(req, start, end)  # (batch_invariant: a prompt's chunk)
                 for p in range(start, end):
                     if p >= first_sampling:
                         sample_rows.append(query_start_loc[-1])
@@ -138,30 +165,29 @@ class ModelRunner:
                     slot_mapping.append(table[p // bs] * bs + p % bs)
                     query_start_loc.append(query_start_loc[-1] + 1)
                     seq_lens.append(p + 1)
-                    tables.append(table)
+                tables.append((table, n))
                 num_decodes += n
-                sampling_requests.append(req)
+                if first_sampling < end:
+                    sampling_requests.append(req)
                 continue
-            num_top = req.sampling_params.prompt_logprobs
-            last = min(end, req.num_prompt_tokens - 1)  # rows before it predict prompt tokens
-            if num_top is not None and start < last:
-                prompt_spans.append(
-                    PromptLogprobsSpan(req.request_id, query_start_loc[-1], last - start, start + 1, num_top)
-                )
+            add_prompt_span(req, start, end)
             input_ids.extend(req.tokens(start, end))
             positions.extend(range(start, end))
             slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_start_loc.append(query_start_loc[-1] + n)
             seq_lens.append(end)
-            tables.append(table)
+            tables.append((table, 1))
             num_decodes += n == 1
             if end == req.num_tokens:  # caught up with every known token: this row samples the next one
                 sample_rows.append(query_start_loc[-1] - 1)
                 sampling_requests.append(req)
-        # padded with block 0; filled row by row in numpy: a third of torch.tensor's time on nested lists
-        block_tables = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
-        for row, table in zip(block_tables, tables):
-            row[: len(table)] = table
+        # padded with block 0; filled in numpy (a third of torch.tensor's time on nested lists), a request's
+        # decode rows (its table repeated) in one assignment
+        block_tables = np.zeros((len(seq_lens), max(len(t) for t, _ in tables)), dtype=np.int64)
+        row = 0
+        for table, repeat in tables:
+            block_tables[row : row + repeat, : len(table)] = table
+            row += repeat
         # entries freed out of a sliding window (NULL_BLOCK_ID, -1) read as block 0: no query attends there
         np.maximum(block_tables, 0, out=block_tables)
         meta = AttentionMetadata(

@@ -79,6 +79,7 @@ def collect() -> dict[str, Any]:
         },
         "kernel_cache": str(cpp_extension.cache_root()),
         "kernels": {name: kernels.state(name) for name in kernels.KERNELS},
+        "batch_invariant": dict(ops.BATCH_INVARIANT),  # what --batch-invariant runs instead, op by op
     }
 
 
@@ -142,6 +143,9 @@ def format_env(info: dict[str, Any]) -> str:
         f"dtype auto     {d['dtype']} ({d['dtype_why']})",
         f"KV cache auto  {d['kv_cache_dtype']} (the compute dtype)",
         f"GGUF weights   --quantization auto = {d['gguf_quantization']} ({d['gguf_why']})",
+        "",
+        "--batch-invariant (every token a decode row; what it cannot make invariant is refused):",
+        *(f"  {op + ':':<19} {detail}" for op, detail in info["batch_invariant"].items()),
         "",
         f"kernel cache   {info['kernel_cache']}",
     ]
