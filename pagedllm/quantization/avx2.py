@@ -204,14 +204,30 @@ def unpack(
 def rows(
     layout: tuple[torch.Tensor, ...], ids: torch.Tensor, bits: int, in_features: int, group_size: int | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """unpack() of output rows `ids` only: the panels that hold them are unpacked, nothing else."""
+    """unpack() of output rows `ids` only, read straight from their panels' column (a decode step's
+    embedding lookup: one row, a few small ops, not a panel's 8 rows through unpack)."""
     codes, s, m = layout
-    panels, at = torch.unique(ids // COLS, return_inverse=True)
-    c, sc, mn = unpack(
-        (codes[panels], s[panels], m[panels]), bits, len(panels) * COLS, in_features, group_size
-    )
-    pick = at * COLS + ids % COLS
-    return c[pick], sc[pick], mn[pick]
+    bits, n, blocks = layout_bits(layout), len(ids), codes.shape[1]
+    panel, col, at = ids // COLS, ids % COLS, torch.arange(len(ids))
+    v = codes[panel].view(n, blocks, bits, COLS, 4)[at, :, :, col]  # [n, block, vector, i]
+    if bits == 8:
+        c = v ^ 0x80
+    else:  # the nibble vectors: low nibbles quads 0..3, high ones 4..7 (k = 4 quad + i)
+        c = torch.cat((v[:, :, :4] & 0x0F, v[:, :, :4] >> 4), dim=2)
+        if bits == 6:  # plane h's bits 2t, 2t + 1: quad 4h + t's top two
+            top = torch.stack([(v[:, :, 4:6] >> (2 * t)) & 0x03 for t in range(4)], dim=3)
+            c = c | (top.reshape(n, blocks, 8, 4) << 4)
+    c = c.reshape(n, in_features)
+
+    def groups(t: torch.Tensor) -> torch.Tensor:
+        t = t[panel]
+        if t.dtype != torch.uint8:
+            return t[at, :, col].float()
+        d, q = _split_two_level(t)  # two-level: d * code, as the kernel computes it
+        d, q = d[at, :, col], q[at, :, col]
+        return d.repeat_interleave(q.shape[1] // d.shape[1], dim=1) * q
+
+    return c, groups(s), groups(m)
 
 
 def matmul(
