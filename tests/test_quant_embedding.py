@@ -61,12 +61,27 @@ def test_a_big_weight_built_slice_by_slice_is_the_whole_one(type_name, monkeypat
     assert torch.equal(sliced(x), whole(x))
 
 
-def test_the_default_gguf_model_looks_its_embedding_up_from_the_lm_head_blocks():
-    """The default model ties its embeddings (a Q8_0 token_embd): served from its blocks, the lookup and the
-    lm_head share one QuantLinear where its kernel indexes rows, and the rows are the float table's."""
+@pytest.mark.parametrize("from_blocks", [True, False])
+def test_the_default_gguf_model_looks_its_embedding_up_from_the_lm_head_blocks(from_blocks, monkeypatch):
+    """The default model ties its embeddings (a Q8_0 token_embd). A table whose float copy is big is looked
+    up from its blocks, the lookup and the lm_head sharing one QuantLinear where its kernel indexes rows; a
+    small one (the default model's 54 MiB, under EMBEDDING_FLOAT_MAX_BYTES) is a float embedding: both give
+    the same rows."""
+    import pagedllm.quantization.gguf_native as native
+
+    monkeypatch.setattr(
+        native, "EMBEDDING_FLOAT_MAX_BYTES", 0 if from_blocks else native.EMBEDDING_FLOAT_MAX_BYTES
+    )
     model, _ = load_model_for_inference(default_model_path(), torch.bfloat16, "gguf", show_progress=False)
     embed = model.model.embed_tokens
-    assert isinstance(embed, QuantEmbedding) and model.dtype == torch.bfloat16
+    assert model.dtype == torch.bfloat16
+    if not from_blocks:
+        assert isinstance(embed, torch.nn.Embedding)
+        ids = torch.tensor([[1, 2, 3, 49151]])
+        if isinstance(model.lm_head, QuantLinear):  # the tied blocks themselves (no kernel here: a float head)
+            assert torch.equal(model.embed(ids)[0], model.lm_head.rows(ids[0]).bfloat16())
+        return
+    assert isinstance(embed, QuantEmbedding)
     if isinstance(model.lm_head, QuantLinear) and model.lm_head.gives_rows_cheaply():
         assert embed.table is model.lm_head  # one copy of the blocks
     ids = torch.tensor([[1, 2, 3, 49151]])

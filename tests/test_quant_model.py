@@ -63,8 +63,8 @@ def test_gguf_native_serves_every_decoder_linear_from_int4_blocks(gguf_native, g
     else:  # the Q8_0 token_embd blocks themselves, which the kernel multiplies with
         assert isinstance(head, QuantLinear) and (head.bits, head.group_size) == (8, 32)
         assert head.kernel is not None and head.kernel.name == backend
-        embedding = gguf_native.model.embed_tokens  # its rows looked up from the same blocks
-        assert torch.equal(head.dequantize_weight(embedding.dtype), embedding.dequantize_weight())
+        embedding = gguf_native.model.embed_tokens.weight  # the small table's float copy of the same blocks
+        assert torch.equal(head.dequantize_weight(embedding.dtype), embedding)
     # per decoder weight: 0.5 B codes + 0.125 B fp16 scales/mins in the AMX layout (without AMX: the stored
     # form with fp32 scales/mins and torch's INT4 layout, 0.75 B more), where bf16 holds 2 B; the embedding
     # stays bf16 in both (and the Q8_0 lm_head adds 1.125 B a weight here, where the engine's bf16 model

@@ -262,12 +262,17 @@ class LlamaForCausalLM(nn.Module):
         model.rotary, model.rotary_local = (
             r.to(device=device, dtype=dtype) if r is not None else None for r in rotary_embeddings(config)
         )
-        model.load_weights(weights)
+        built = {n for n, m in model.named_modules() if id(m) in prebuilt}  # their parameters came with them
+        model.load_weights(
+            weights,
+            prebuilt={f"{n}.{p}" for n in built for p, _ in model.get_submodule(n).named_parameters()},
+        )
         return model.eval()
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: dict[str, torch.Tensor], prebuilt: set[str] = frozenset()) -> None:
+        """Copy the checkpoint's tensors in; `prebuilt`: parameters of modules built already (not loaded)."""
         params = dict(self.named_parameters())
-        missing = set(params) - set(weights)
+        missing = set(params) - set(weights) - prebuilt
         if self.config.tie_word_embeddings:
             missing.discard("lm_head.weight")
         if missing:
