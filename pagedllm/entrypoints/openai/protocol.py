@@ -528,6 +528,7 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     message: ChatMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it (None: EOS)
     prompt_logprobs: PromptLogprobsField = None
 
 
@@ -565,6 +566,7 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     delta: DeltaMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):

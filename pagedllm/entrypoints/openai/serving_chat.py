@@ -284,6 +284,7 @@ class OpenAIServingChat(OpenAIServing):
                     message=message,
                     logprobs=logprobs,
                     finish_reason=finish_reason,
+                    stop_reason=out.stop_reason,
                     prompt_logprobs=self.prompt_logprobs_field(final, request.prompt_logprobs),
                 )
             )
@@ -379,6 +380,7 @@ class OpenAIServingChat(OpenAIServing):
                         delta=delta or DeltaMessage(content=""),
                         logprobs=logprobs,
                         finish_reason=finish,
+                        stop_reason=out.stop_reason if finish else None,
                     )
                     yield chunk([choice])
             if request.include_usage:
