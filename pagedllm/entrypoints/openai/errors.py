@@ -6,10 +6,14 @@ The official clients turn the status into a typed exception (400 BadRequestError
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Scope
 
 from pagedllm.engine.protocol import EngineBusyError, EngineClosedError, RequestFailedError
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
@@ -51,6 +55,31 @@ def error_response(
     return JSONResponse(error_body(message, status, param).model_dump(), status_code=status, headers=headers)
 
 
+# Another API's routes (Anthropic's /v1/messages, ...) answer errors in that API's shape: a body maker of
+# (message, status, param) registered on the app for a path prefix, used by every handler below and by the
+# middlewares that answer before a route runs (API key, body limits, internal errors).
+ErrorShape = Callable[[str, int, str | None], dict[str, Any]]
+
+
+def add_error_shape(app: FastAPI, prefix: str, shape: ErrorShape) -> None:
+    app.state.error_shapes = {**getattr(app.state, "error_shapes", {}), prefix: shape}
+
+
+def scoped_error_response(
+    scope: Scope,
+    message: str,
+    status: int = 400,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """error_response in the shape of the API the request's path belongs to (OpenAI's unless registered)."""
+    shapes = getattr(getattr(scope.get("app"), "state", None), "error_shapes", {})
+    for prefix, shape in shapes.items():
+        if scope["path"].startswith(prefix):
+            return JSONResponse(shape(message, status, param), status_code=status, headers=headers)
+    return error_response(message, status, param, headers)
+
+
 # How long a client turned away by a full queue should wait before it tries again (seconds).
 RETRY_AFTER_S = 1
 
@@ -74,34 +103,37 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(message, 400, param)  # OpenAI and vLLM say 400, not FastAPI's 422
+        # OpenAI and vLLM say 400, not FastAPI's 422
+        return scoped_error_response(request.scope, message, 400, param)
 
     @app.exception_handler(InputError)
-    async def _input(_: Request, exc: InputError) -> JSONResponse:
-        return error_response(str(exc), 400, exc.param)
+    async def _input(request: Request, exc: InputError) -> JSONResponse:
+        return scoped_error_response(request.scope, str(exc), 400, exc.param)
 
     @app.exception_handler(APIError)
-    async def _api(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.message, exc.status, exc.param)
+    async def _api(request: Request, exc: APIError) -> JSONResponse:
+        return scoped_error_response(request.scope, exc.message, exc.status, exc.param)
 
     @app.exception_handler(EngineClosedError)
-    async def _closed(_: Request, exc: EngineClosedError) -> JSONResponse:
-        return error_response(str(exc), 503)
+    async def _closed(request: Request, exc: EngineClosedError) -> JSONResponse:
+        return scoped_error_response(request.scope, str(exc), 503)
 
     @app.exception_handler(EngineBusyError)
-    async def _busy(_: Request, exc: EngineBusyError) -> JSONResponse:
-        return error_response(str(exc), 503, headers={"Retry-After": str(RETRY_AFTER_S)})
+    async def _busy(request: Request, exc: EngineBusyError) -> JSONResponse:
+        return scoped_error_response(
+            request.scope, str(exc), 503, headers={"Retry-After": str(RETRY_AFTER_S)}
+        )
 
     @app.exception_handler(RequestFailedError)
-    async def _failed(_: Request, exc: RequestFailedError) -> JSONResponse:
-        return error_response(str(exc), 500)
+    async def _failed(request: Request, exc: RequestFailedError) -> JSONResponse:
+        return scoped_error_response(request.scope, str(exc), 500)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown route, method
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown route, method
         # keeps the exception's headers: a 405 says which methods the route allows (Allow)
-        return error_response(str(exc.detail), exc.status_code, headers=exc.headers)
+        return scoped_error_response(request.scope, str(exc.detail), exc.status_code, headers=exc.headers)
 
     # Anything else is answered by limits.InternalErrorMiddleware: an exception handler for Exception
     # would run in Starlette's outermost middleware, which re-raises it, and uvicorn then drops the

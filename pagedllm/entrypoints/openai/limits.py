@@ -22,7 +22,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pagedllm.entrypoints.openai.errors import error_response
+from pagedllm.entrypoints.openai.errors import scoped_error_response
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -104,7 +104,7 @@ class BodyLimitMiddleware:
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, status: int, message: str) -> None:
         # Connection: close, since the rest of the body is never read (h11 then closes after the response)
-        response = error_response(message, status)
+        response = scoped_error_response(scope, message, status)
         response.headers["connection"] = "close"
         await response(scope, receive, send)
 
@@ -139,7 +139,7 @@ class InternalErrorMiddleware:
         except Exception as e:
             logger.exception("unhandled error in %s %s", scope["method"], scope["path"])
             if not started:
-                await error_response(f"internal error: {e!r}", 500)(scope, receive, send)
+                await scoped_error_response(scope, f"internal error: {e!r}", 500)(scope, receive, send)
 
 
 def cap_allocator_growth(trim_every_s: float = 60.0) -> None:
