@@ -38,6 +38,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[dict[int, Logprob]] | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None for EOS)
 
 
 @dataclass
@@ -96,6 +97,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
 
 
@@ -227,13 +229,14 @@ class FakeEngine:
             choice.logprobs.append(alts)
         if token == EOS or token in p.stop_token_ids:
             choice.finish_reason = "stop"
+            choice.stop_reason = None if token == EOS else token
         else:
             choice.text += self.tokenizer.decode([token], skip_special_tokens=p.skip_special_tokens)
             for s in p.stop:
                 if s in choice.text:
                     cut = choice.text.index(s) + (len(s) if p.include_stop_str_in_output else 0)
                     choice.text = choice.text[:cut]
-                    choice.finish_reason = "stop"
+                    choice.finish_reason, choice.stop_reason = "stop", s
                     break
         if not choice.finish_reason:
             total = len(req.prompt_token_ids) + len(choice.token_ids)
@@ -250,6 +253,7 @@ class FakeEngine:
                 token_ids=list(c.token_ids),  # copies: outputs cross threads
                 finish_reason=c.finish_reason,
                 logprobs=list(c.logprobs) if req.params.logprobs is not None else None,
+                stop_reason=c.stop_reason,
             )
             for c in req.choices
         ]
