@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.engine.protocol import EngineClient
+from pagedllm.entrypoints.anthropic.routes import add_anthropic_routes
 from pagedllm.entrypoints.openai.cli_args import (
     add_arguments,
     http_limits,
@@ -36,7 +37,7 @@ from pagedllm.entrypoints.openai.cli_args import (
     make_engine,
     uses_ray,
 )
-from pagedllm.entrypoints.openai.errors import error_response, install_error_handlers
+from pagedllm.entrypoints.openai.errors import error_response, install_error_handlers, scoped_error_response
 from pagedllm.entrypoints.openai.kv_routes import add_kv_routes
 from pagedllm.entrypoints.openai.limits import (
     BodyLimitMiddleware,
@@ -132,7 +133,10 @@ class APIKeyMiddleware:
         path = scope["path"]
         if path in OPEN_PATHS or path.startswith(STATIC_PREFIX) or scope["method"] == "OPTIONS":
             return True
-        if secrets.compare_digest(dict(scope["headers"]).get(b"authorization", b""), self.expected):
+        headers = dict(scope["headers"])
+        if secrets.compare_digest(headers.get(b"authorization", b""), self.expected):
+            return True
+        if secrets.compare_digest(headers.get(b"x-api-key", b""), self.api_key):  # Anthropic's clients
             return True
         if path in PAGE_PATHS:
             query = urllib.parse.parse_qs(scope.get("query_string", b"").decode("latin-1"))
@@ -144,7 +148,7 @@ class APIKeyMiddleware:
             message = "Invalid or missing API key"
             if scope["path"] in PAGE_PATHS:
                 message += f"; open {scope['path']}?api_key=KEY"
-            await error_response(message, 401)(scope, receive, send)
+            await scoped_error_response(scope, message, 401)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -304,6 +308,7 @@ def build_app(
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         return DetokenizeResponse(prompt=await asyncio.to_thread(detokenize_sync, request))
 
+    add_anthropic_routes(app, chat, _unless_disconnected)
     add_kv_routes(app, engine, debug_routes=kv_debug_routes)
     add_page_routes(app)
     return app
