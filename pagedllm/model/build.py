@@ -32,6 +32,7 @@ from pagedllm.quantization.gguf_native import (
     unserved,
     unserved_message,
 )
+from pagedllm.quantization.layout_cache import LayoutCache
 from pagedllm.quantization.linear import QuantLinear
 from pagedllm.quantization.model import resident_weight_bytes
 
@@ -98,7 +99,12 @@ def build_model(
                 f"quantization='gguf' needs a GGUF file; {path} is a {ckpt.format} checkpoint",
                 param="quantization",
             )
-        prebuilt = prebuilt_linears(ckpt.gguf_tensors, ckpt.weights, config, dtype) if gguf else {}
+        prebuilt = {}
+        if gguf:  # the packed layouts of a big file come from the layout cache after its first load
+            cache = LayoutCache.for_file(ckpt.path, dtype)
+            prebuilt = prebuilt_linears(ckpt.gguf_tensors, ckpt.weights, config, dtype, cache)
+            if cache is not None:
+                cache.save()
         model = model_class(config).from_weights(config, ckpt.weights, dtype, modules=prebuilt)
         if gguf:
             del ckpt.weights  # float copies of what is about to be replaced (fused and expert tensors)

@@ -154,7 +154,11 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # _weight: no random initialisation (the checkpoint fills it), and on the meta device no normal_,
+        # whose first call imports torch._dynamo (~1.3 s of every load)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = norm_class(config)(config.hidden_size, config.rms_norm_eps)
 
@@ -176,7 +180,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.rotary, self.rotary_local = rotary_embeddings(config)
+        # from_weights builds on the meta device and computes the tables for real afterwards; there, meta
+        # arange's first call would import torch._dynamo (~1.3 s of every load) for tables it throws away
+        on_meta = torch.empty(0).is_meta
+        self.rotary, self.rotary_local = (None, None) if on_meta else rotary_embeddings(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -252,10 +259,13 @@ class LlamaForCausalLM(nn.Module):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, module)
             prebuilt.update(id(m) for m in module.modules())  # a QuantEmbedding's table too
+
+        def empty(t: torch.Tensor) -> torch.Tensor:  # not to_empty: meta empty_like imports sympy (0.4 s)
+            return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+
         for m in model.modules():  # materialize the rest, one module's own tensors at a time
             if id(m) not in prebuilt:
-                m.to_empty(device=device, recurse=False)
-                m._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
+                m._apply(empty, recurse=False)
         if config.tie_word_embeddings and "lm_head" not in (modules or {}):
             model.lm_head.weight = model.model.embed_tokens.weight  # to_empty gave each its own storage
         # non-persistent buffers are not in the checkpoint: compute them for real

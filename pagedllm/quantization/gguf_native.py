@@ -26,6 +26,7 @@ from pagedllm.model.loader import registry
 from pagedllm.model.loader.gguf import drop_file_pages
 from pagedllm.quantization import gguf_blocks
 from pagedllm.quantization.embedding import QuantEmbedding
+from pagedllm.quantization.layout_cache import LayoutCache
 from pagedllm.quantization.linear import QuantLinear
 
 NATIVE_TYPES = gguf_blocks.NATIVE_TYPES
@@ -142,19 +143,24 @@ def prebuilt_linears(
     weights: dict[str, torch.Tensor],
     config: ModelConfig,
     dtype: torch.dtype,
+    cache: LayoutCache | None = None,
 ) -> dict[str, torch.nn.Module]:
     """The modules the loader left as blocks only (load_gguf's served_types: no float copy was made), built
     and packed before the model's float modules are, so that no float copy of them ever exists; each takes
     its bias out of `weights`. The token embedding becomes a QuantEmbedding, and with tied embeddings its
-    table is the lm_head too. {module name: module}."""
+    table is the lm_head too. With a `cache`, a layout found there is taken as it is (no block decoded)
+    and one built is kept for it. {module name: module}."""
     modules: dict[str, torch.nn.Module] = {}
     for name, (type_name, raw, shape) in gguf_tensors.items():
         if not name.endswith(".weight") or name in weights:
             continue
         module = name.removesuffix(".weight")
-        layer = packed_gguf_linear(
-            module, type_name, raw, shape, config, dtype, weights.pop(module + ".bias", None)
-        )
+        bias = weights.pop(module + ".bias", None)
+        layer = cache.get(module, shape, bias) if cache else None
+        if layer is None:
+            layer = packed_gguf_linear(module, type_name, raw, shape, config, dtype, bias)
+            if cache:
+                cache.put(module, layer)
         if module == "model.embed_tokens":
             modules[module] = _embedding(layer, dtype)
             if config.tie_word_embeddings and _serves_lm_head(layer):

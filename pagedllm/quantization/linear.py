@@ -192,10 +192,36 @@ class QuantLinear(nn.Module):
                 "stack_packed: the parts must be packed alike by one kernel whose layouts stack, every part "
                 "but the last a whole number of its row groups"
             )
-        with torch.device("meta"):  # no stored buffers: the stacked layout is the weight
-            layer = cls(first.in_features, sum(p.out_features for p in parts), first.bits, first.group_size)
-        layer.name, layer.kernel, layer._packed_for = name, kernel, first._packed_for
-        layer.layout = kernel.stack([p.layout for p in parts])
+        return cls.from_layout(
+            kernel,
+            kernel.stack([p.layout for p in parts]),
+            first.in_features,
+            sum(p.out_features for p in parts),
+            first.bits,
+            first.group_size,
+            first._packed_for,
+            bias,
+            name,
+        )
+
+    @classmethod
+    def from_layout(
+        cls,
+        kernel: woq_kernels.WoqKernel,
+        layout: tuple[torch.Tensor, ...],
+        in_features: int,
+        out_features: int,
+        bits: int,
+        group_size: int | None,
+        packed_for: tuple[torch.dtype, str],
+        bias: torch.Tensor | None = None,
+        name: str = "",
+    ) -> QuantLinear:
+        """A layer whose only copy of the weight is `kernel`'s layout (a kernel that holds_weight), built
+        for packed_for's (activation dtype, op-table backend)."""
+        with torch.device("meta"):  # no stored buffers: the layout is the weight
+            layer = cls(in_features, out_features, bits, group_size)
+        layer.name, layer.kernel, layer.layout, layer._packed_for = name, kernel, layout, packed_for
         layer.qweight = layer.scales = layer.mins = layer.bias = None
         if bias is not None:
             layer.bias = bias.detach().to(torch.float32).clone()

@@ -221,11 +221,16 @@ def _candidates(backend: str) -> tuple[WoqKernel, ...]:
     return ()  # the reference
 
 
+def candidates() -> tuple[WoqKernel, ...]:
+    """The kernels of the op table's current backend (forced included), in the order they are tried."""
+    return _candidates(ops.backend("quantized_linear"))
+
+
 def choose(layer: QuantLinear, dtype: torch.dtype) -> WoqKernel | None:
     """The kernel that multiplies `layer` by `dtype` activations under the op table's backend (forced
     included), or None for the reference. While a --batch-invariant model is built, only the kernels whose
     row results do not depend on the row count (ops.ROW_INVARIANT_QUANTIZED_KERNELS)."""
-    candidates = _candidates(ops.backend("quantized_linear"))
+    kernels = candidates()
     if ops.building_batch_invariant():
-        candidates = [k for k in candidates if k.name in ops.ROW_INVARIANT_QUANTIZED_KERNELS]
-    return next((k for k in candidates if k.supports(layer, dtype)), None)
+        kernels = tuple(k for k in kernels if k.name in ops.ROW_INVARIANT_QUANTIZED_KERNELS)
+    return next((k for k in kernels if k.supports(layer, dtype)), None)
