@@ -63,6 +63,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_responses import add_responses_routes
 from pagedllm.errors import InputError
 from pagedllm.metrics import ServerMetrics
 from pagedllm.version import __version__
@@ -308,6 +309,7 @@ def build_app(
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         return DetokenizeResponse(prompt=await asyncio.to_thread(detokenize_sync, request))
 
+    add_responses_routes(app, chat, _unless_disconnected, _errors)
     add_anthropic_routes(app, chat, _unless_disconnected)
     add_kv_routes(app, engine, debug_routes=kv_debug_routes)
     add_page_routes(app)
