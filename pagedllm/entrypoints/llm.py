@@ -10,6 +10,7 @@ from dataclasses import replace
 from tqdm.auto import tqdm
 
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.pooling_engine import PoolingEngine, PoolingInput, is_pooling_model
 from pagedllm.errors import InputError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -26,9 +27,51 @@ class LLM:
     >>> out[0].outputs[0].text
     """
 
-    def __init__(self, model: str = "default", **engine_kwargs):
-        self.llm_engine = LLMEngine(model=model, **engine_kwargs)
+    def __init__(self, model: str = "default", runner: str = "auto", **engine_kwargs):
+        """runner: "auto" serves an embedding / cross-encoder folder with the pooling engine (embed, score)
+        and anything else with the generative one; "pooling" pools a decoder, "generate" never pools."""
+        self.pooling_engine: PoolingEngine | None = None
+        if is_pooling_model(model, runner):
+            self.pooling_engine = PoolingEngine(model, runner=runner, **_pooling_kwargs(engine_kwargs))
+        else:
+            self.llm_engine = LLMEngine(model=model, **engine_kwargs)
         self._ids = itertools.count()
+
+    def embed(
+        self, texts: str | list[str] | list[int] | list[list[int]], truncate_prompt_tokens: int | None = None
+    ) -> list[list[float]]:
+        """One embedding per text (or token-id list), as the pooling model pools (and normalizes) it;
+        truncate_prompt_tokens keeps at most that many tokens of each (else a longer input is refused)."""
+        engine = self._pooling("embed")
+        if isinstance(texts, str) or (texts and isinstance(texts[0], int)):
+            texts = [texts]
+        items = [
+            engine.tokenize(t, truncate_prompt_tokens, "texts")
+            if isinstance(t, str)
+            else engine.check(PoolingInput(list(t)), truncate_prompt_tokens, "texts")
+            for t in texts
+        ]
+        return engine.embed(items).tolist()
+
+    def score(
+        self, query: str | list[str], documents: str | list[str], truncate_prompt_tokens: int | None = None
+    ) -> list[float]:
+        """vLLM's LLM.score: one score per document against the query (or per (query, document) pair when
+        both are lists of the same length): a cross-encoder's, or an embedder's cosine similarity."""
+        engine = self._pooling("embed", "score")
+        docs = [documents] if isinstance(documents, str) else list(documents)
+        queries = [query] * len(docs) if isinstance(query, str) else list(query)
+        if len(queries) != len(docs):
+            raise InputError(f"{len(queries)} queries for {len(docs)} documents", param="documents")
+        scores, _ = engine.score_pairs(list(zip(queries, docs)), truncate_prompt_tokens, "documents")
+        return scores.tolist()
+
+    def _pooling(self, *tasks: str) -> PoolingEngine:
+        if self.pooling_engine is None:
+            raise InputError("this LLM holds a generative model; load an embedding or scoring one", "model")
+        if self.pooling_engine.task not in tasks:
+            raise InputError("this LLM holds a cross-encoder: use LLM.score", param="model")
+        return self.pooling_engine
 
     def reset_prefix_cache(self) -> bool:
         """Drop all cached prefixes (vLLM's LLM.reset_prefix_cache); False while requests are running."""
@@ -45,6 +88,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns their outputs in input order. A prompt is text, token ids, or
         vLLM's prompt dicts ({"prompt": text} or {"prompt_token_ids": ids})."""
+        if self.pooling_engine is not None:
+            raise InputError("this LLM holds an embedding or scoring model: use embed or score", "model")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = [_prompt(p) for p in prompts]
@@ -151,6 +196,16 @@ class LLM:
         finally:
             bar.close()
         return [finished[i] for i in ids]
+
+
+def _pooling_kwargs(kwargs: dict) -> dict:
+    """The LLM keywords a pooling engine takes; a generation-only one (a KV cache size, ...) is refused."""
+    taken = {"dtype", "max_num_batched_tokens", "max_num_seqs", "max_model_len"}
+    ignored = {"show_progress", "seed"}
+    refused = sorted(set(kwargs) - taken - ignored)
+    if refused:
+        raise InputError(f"{refused[0]} does not apply to a pooling model", param=refused[0])
+    return {k: v for k, v in kwargs.items() if k in taken}
 
 
 def _prompt(prompt: Prompt | dict) -> Prompt:

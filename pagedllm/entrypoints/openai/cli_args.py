@@ -17,6 +17,7 @@ from pagedllm.errors import InputError
 from pagedllm.units import format_size, parse_size
 
 if TYPE_CHECKING:
+    from pagedllm.engine.async_pooling import AsyncPoolingEngine
     from pagedllm.engine.llm_engine import LLMEngine
 
 # (flag, HTTPLimits field, help): the connection timeouts, in seconds
@@ -61,6 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="tests only: add POST /kv/debug/hold, which stops the engine between two steps and returns "
         "its KVCacheManager's state; never on a server others use",
+    )
+    parser.add_argument(
+        "--runner",
+        default="auto",
+        choices=["auto", "generate", "pooling"],
+        help="auto: an embedding or cross-encoder folder (sentence-transformers, BERT, XLM-R) is served by the "
+        "pooling engine (/v1/embeddings, /v1/rerank, /score), anything else generates; pooling: pool a "
+        "decoder's last token as an embedder (default: %(default)s)",
     )
     g = parser.add_argument_group("limits (what one client may cost the server)")
     d = HTTPLimits()
@@ -133,6 +142,25 @@ def make_engine(args: argparse.Namespace) -> LLMEngine:
 
     apply_threads(args)  # `python -m ...server` does not pass through the CLI's main, which applies it
     return LLMEngine(**engine_kwargs(args))
+
+
+def make_pooling_engine(args: argparse.Namespace) -> AsyncPoolingEngine | None:
+    """The pooling engine when --model is an embedding / scoring model (or --runner pooling), else None."""
+    from pagedllm.engine.async_pooling import AsyncPoolingEngine
+    from pagedllm.engine.pooling_engine import PoolingEngine, is_pooling_model
+
+    if not is_pooling_model(args.model, args.runner):
+        return None
+    apply_threads(args)
+    engine = PoolingEngine(
+        args.model,
+        args.dtype,
+        args.runner,
+        args.max_num_batched_tokens,
+        args.max_num_seqs,
+        args.max_model_len,
+    )
+    return AsyncPoolingEngine(engine, max_num_waiting=args.max_num_waiting)
 
 
 def uses_ray(args: argparse.Namespace) -> bool:

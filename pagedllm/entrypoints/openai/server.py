@@ -35,6 +35,7 @@ from pagedllm.entrypoints.openai.cli_args import (
     http_limits,
     make_data_parallel_engine,
     make_engine,
+    reasoning_options,
     uses_ray,
 )
 from pagedllm.entrypoints.openai.errors import error_response, install_error_handlers, scoped_error_response
@@ -183,12 +184,20 @@ def build_app(
     tool_call_parser: str = "hermes",
     limits: HTTPLimits | None = None,
     kv_debug_routes: bool = False,
+    reasoning_parser: str | None = None,
+    enable_in_reasoning: bool = False,
 ) -> FastAPI:
     """The app over `engine`. kv_debug_routes: add the test-only POST /kv/debug/hold (kv_routes.py)."""
     metrics = ServerMetrics(engine.get_stats, replicas=engine.replica_labels)
     engine.observer = metrics  # the engine records tokens and latencies as outputs arrive
     completions = OpenAIServingCompletion(engine, served_model_names)
-    chat = OpenAIServingChat(engine, served_model_names, tool_call_parser=tool_call_parser)
+    chat = OpenAIServingChat(
+        engine,
+        served_model_names,
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
+        enable_in_reasoning=enable_in_reasoning,
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -394,6 +403,7 @@ def run_server(args: argparse.Namespace) -> int:
     # lifespan off: the real app arrives after uvicorn's startup; DrainingServer stops its engine instead
     limits = http_limits(args)
     data_parallel = uses_ray(args)  # checked before listening: a bad value or missing ray is exit 2
+    reasoning_parser, enable_in_reasoning = reasoning_options(args)
     config = uvicorn.Config(
         gate,
         host=args.host,
@@ -424,6 +434,8 @@ def run_server(args: argparse.Namespace) -> int:
                 tool_call_parser=args.tool_call_parser,
                 limits=limits,
                 kv_debug_routes=args.kv_debug_routes,
+                reasoning_parser=reasoning_parser,
+                enable_in_reasoning=enable_in_reasoning,
             )
             logger.info("ready: serving %s on http://%s:%d", name, args.host, args.port)
         except BaseException as e:  # a bad option or model: stop the server and report it as the CLI would

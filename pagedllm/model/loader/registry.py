@@ -84,12 +84,12 @@ class Architecture:
 
 
 ARCHITECTURES: tuple[Architecture, ...] = (
-    Architecture("llama", ("LlamaForCausalLM",), "llama", "llama", gguf_permuted_qk=True),
+    Architecture("llama", ("LlamaForCausalLM", "LlamaModel"), "llama", "llama", gguf_permuted_qk=True),
     # llama.cpp writes Mistral (7B v0.1-v0.3) files as arch "llama": they load as llama
     Architecture("mistral", ("MistralForCausalLM",), "mistral", None, sliding_layers="all"),
     Architecture(
         "qwen2",
-        ("Qwen2ForCausalLM",),
+        ("Qwen2ForCausalLM", "Qwen2Model"),  # Qwen2Model: gte-Qwen2 embedders
         "qwen2",
         "qwen2",
         qkv_bias=True,
@@ -97,7 +97,12 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         sliding_layers="max_window_layers",
     ),
     Architecture(
-        "qwen3", ("Qwen3ForCausalLM",), "qwen3", "qwen3", qk_norm=True, sliding_layers="max_window_layers"
+        "qwen3",
+        ("Qwen3ForCausalLM", "Qwen3Model"),  # Qwen3Model: the base model an embedder folder saves
+        "qwen3",
+        "qwen3",
+        qk_norm=True,
+        sliding_layers="max_window_layers",
     ),
     # Phi-3 / Phi-3.5 / Phi-4-mini: Llama's decoder with fused storage, partial rotary (Phi-4-mini 0.75) and
     # LongRoPE (model/layers/rotary.py); transformers uses a configured sliding_window unconditionally
@@ -166,6 +171,19 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         gguf_moe_norm_topk=False,
     ),
 )
+
+# encoders (model/encoder.py): pooling models only, served by the pooling engine (embeddings, scores)
+ENCODER_ARCHITECTURES = (
+    Architecture("bert", ("BertModel", "BertForSequenceClassification"), "bert", None, "EncoderModel"),
+    Architecture(
+        "xlm-roberta",
+        ("XLMRobertaModel", "XLMRobertaForSequenceClassification", "RobertaModel"),
+        "xlm-roberta",
+        None,
+        "EncoderModel",
+    ),
+)
+ARCHITECTURES += ENCODER_ARCHITECTURES
 
 _BY_NAME = {a.name: a for a in ARCHITECTURES}
 _BY_HF = {hf: a for a in ARCHITECTURES for hf in a.hf_architectures}
