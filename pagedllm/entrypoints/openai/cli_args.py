@@ -13,7 +13,10 @@ from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.engine_args import add_engine_args, apply_threads
 from pagedllm.entrypoints.engine_args import engine_kwargs as shared_engine_kwargs
 from pagedllm.entrypoints.openai.limits import HTTPLimits
+from pagedllm.entrypoints.reasoning import REASONING_PARSERS
 from pagedllm.errors import InputError
+from pagedllm.structured_output.config import FLAG as SO_CONFIG_FLAG
+from pagedllm.structured_output.config import parse_structured_outputs_config
 from pagedllm.units import format_size, parse_size
 
 if TYPE_CHECKING:
@@ -56,6 +59,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how tool calls are read from the model's text when tool_choice is auto: hermes "
         "(<tool_call>{...}</tool_call>, the fallback prompt's convention) or json (the whole output is "
         "the call); default: %(default)s",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="split a reasoning model's <think> block from its answer: chat completions' "
+        "message.reasoning_content (delta.reasoning_content streamed); a request's output constraint then "
+        "starts after the block (default: none)",
+    )
+    parser.add_argument(
+        SO_CONFIG_FLAG,
+        default=None,
+        metavar="JSON",
+        help="vLLM's structured outputs options as JSON, e.g. '{\"enable_in_reasoning\": true}' (a "
+        "constraint applies to the whole output, think block included); keys: enable_in_reasoning, backend "
+        "(auto / guidance), reasoning_parser",
     )
     parser.add_argument(
         "--kv-debug-routes",
@@ -128,6 +147,25 @@ def http_limits(args: argparse.Namespace) -> HTTPLimits:
     if args.max_num_waiting == 0:
         args.max_num_waiting = None
     return HTTPLimits(max_body_bytes=int(max_body), **timeouts)
+
+
+def reasoning_options(args: argparse.Namespace) -> tuple[str | None, bool]:
+    """(reasoning parser, enable_in_reasoning) from --reasoning-parser and --structured-outputs-config
+    (InputError naming the flag when they are malformed or disagree)."""
+    config = parse_structured_outputs_config(getattr(args, "structured_outputs_config", None))
+    parser = getattr(args, "reasoning_parser", None)
+    if config.reasoning_parser and parser and config.reasoning_parser != parser:
+        raise InputError(
+            f"{SO_CONFIG_FLAG} names reasoning_parser {config.reasoning_parser!r}, --reasoning-parser {parser!r}",
+            param=SO_CONFIG_FLAG,
+        )
+    parser = parser or config.reasoning_parser
+    if parser is not None and parser not in REASONING_PARSERS:
+        raise InputError(
+            f"{SO_CONFIG_FLAG}: unknown reasoning_parser {parser!r} (known: {', '.join(REASONING_PARSERS)})",
+            param=SO_CONFIG_FLAG,
+        )
+    return parser, config.enable_in_reasoning
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

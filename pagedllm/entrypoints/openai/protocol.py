@@ -506,6 +506,7 @@ class ChatCompletionRequest(_SamplingRequest):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    reasoning_content: str | None = None  # the think block, with --reasoning-parser (vLLM's field)
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -558,6 +559,7 @@ class DeltaToolCall(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # think-block text, with --reasoning-parser
     tool_calls: list[DeltaToolCall] | None = None
 
 

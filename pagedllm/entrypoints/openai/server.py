@@ -28,6 +28,7 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.engine.async_pooling import AsyncPoolingEngine
 from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.anthropic.routes import add_anthropic_routes
 from pagedllm.entrypoints.openai.cli_args import (
@@ -35,6 +36,7 @@ from pagedllm.entrypoints.openai.cli_args import (
     http_limits,
     make_data_parallel_engine,
     make_engine,
+    make_pooling_engine,
     reasoning_options,
     uses_ray,
 )
@@ -64,7 +66,9 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embedding import refuse_generation
 from pagedllm.entrypoints.openai.serving_responses import add_responses_routes
+from pagedllm.entrypoints.openai.serving_score import add_pooling_routes
 from pagedllm.errors import InputError
 from pagedllm.metrics import ServerMetrics
 from pagedllm.version import __version__
@@ -184,10 +188,12 @@ def build_app(
     tool_call_parser: str = "hermes",
     limits: HTTPLimits | None = None,
     kv_debug_routes: bool = False,
+    pooling: AsyncPoolingEngine | None = None,
     reasoning_parser: str | None = None,
     enable_in_reasoning: bool = False,
 ) -> FastAPI:
-    """The app over `engine`. kv_debug_routes: add the test-only POST /kv/debug/hold (kv_routes.py)."""
+    """The app over `engine`. kv_debug_routes: add the test-only POST /kv/debug/hold (kv_routes.py).
+    pooling: `engine` itself when it is the pooling engine (embeddings, rerank, score; generation refused)."""
     metrics = ServerMetrics(engine.get_stats, replicas=engine.replica_labels)
     engine.observer = metrics  # the engine records tokens and latencies as outputs arrive
     completions = OpenAIServingCompletion(engine, served_model_names)
@@ -276,6 +282,7 @@ def build_app(
         responses={200: {"content": SSE}, **GENERATE_ERRORS},
     )
     async def create_completion(request: CompletionRequest, raw: Request) -> Response:
+        refuse_generation(pooling)
         result = await _unless_disconnected(raw, completions.create_completion(request))
         return result if isinstance(result, Response) else _respond(result)
 
@@ -285,6 +292,7 @@ def build_app(
         responses={200: {"content": SSE}, **GENERATE_ERRORS},
     )
     async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
+        refuse_generation(pooling)
         result = await _unless_disconnected(raw, chat.create_chat_completion(request))
         return result if isinstance(result, Response) else _respond(result)
 
@@ -320,6 +328,7 @@ def build_app(
 
     add_responses_routes(app, chat, _unless_disconnected, _errors)
     add_anthropic_routes(app, chat, _unless_disconnected)
+    add_pooling_routes(app, engine, pooling, served_model_names, TOKENIZER_ERRORS)
     add_kv_routes(app, engine, debug_routes=kv_debug_routes)
     add_page_routes(app)
     return app
@@ -419,8 +428,11 @@ def run_server(args: argparse.Namespace) -> int:
 
     def load() -> None:
         try:
+            pooling = None if data_parallel else make_pooling_engine(args)  # an embedder / cross-encoder
             if data_parallel:  # replicas on Ray, each loaded and warmed up in its own process
                 gate.engine = make_data_parallel_engine(args)
+            elif pooling is not None:
+                gate.engine = pooling
             else:
                 engine = make_engine(args)
                 engine.warm_up()
@@ -434,6 +446,7 @@ def run_server(args: argparse.Namespace) -> int:
                 tool_call_parser=args.tool_call_parser,
                 limits=limits,
                 kv_debug_routes=args.kv_debug_routes,
+                pooling=pooling,
                 reasoning_parser=reasoning_parser,
                 enable_in_reasoning=enable_in_reasoning,
             )

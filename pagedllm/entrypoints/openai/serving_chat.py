@@ -41,6 +41,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.tool_parsers import JsonToolParser, ParsedCall, ParsedOutput, get_tool_parser
 from pagedllm.entrypoints.openai.tool_prompt import conversation, template_takes_tools
+from pagedllm.entrypoints.reasoning import ReasoningStream, ThinkState, get_reasoning_parser
 from pagedllm.errors import InputError
 from pagedllm.sampling_params import StructuredOutputsParams, closed_schema
 
@@ -72,6 +73,10 @@ class _ChoiceState:
     finished: bool = False
     call_ids: list[str] = field(default_factory=list)  # tool calls whose header was sent
     call_args_len: list[int] = field(default_factory=list)  # argument characters sent per call
+    # with a reasoning parser: the output's split so far (text_len then counts answer characters)
+    reasoning: ReasoningStream | None = None
+    raw_len: int = 0  # output characters fed to it
+    answer: str = ""  # the answer part so far
 
 
 def forced_calls_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
@@ -96,10 +101,26 @@ def forced_calls_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(
-        self, engine: EngineClient, served_model_names: Sequence[str], tool_call_parser: str = "hermes"
+        self,
+        engine: EngineClient,
+        served_model_names: Sequence[str],
+        tool_call_parser: str = "hermes",
+        reasoning_parser: str | None = None,
+        enable_in_reasoning: bool = False,
     ):
         super().__init__(engine, served_model_names)
         self.tool_parser = get_tool_parser(tool_call_parser)
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+        # a constraint applies to the whole output, think block included (else only to the answer)
+        self.enable_in_reasoning = enable_in_reasoning
+
+    def think_state(self, prompt_token_ids: list[int]) -> ThinkState:
+        """Whether the prompt left the output inside a think block ("reasoning"), after one ("content":
+        a template with thinking off) or neither (None); None too without a reasoning parser."""
+        if self.reasoning_parser is None:
+            return None
+        tail = self.tokenizer.decode(prompt_token_ids[-16:], skip_special_tokens=False)
+        return self.reasoning_parser.prompt_state(tail)
 
     def render_messages(
         self,
@@ -203,16 +224,17 @@ class OpenAIServingChat(OpenAIServing):
             raise
         self.check_context(len(token_ids), params, max_tokens_param)
         await self.validate_constraint(constraint, field)
+        think = self.think_state(token_ids)
 
         request_id = random_id("chatcmpl")
         (stream,) = await self.add_requests(request_id, [token_ids], params)
         if request.stream:
-            return self._stream(request, mode, request_id, len(token_ids), stream)
+            return self._stream(request, mode, request_id, len(token_ids), stream, think)
         try:
             (final,) = await last_outputs([stream])
         finally:
             stream.close()
-        return self._response(request, mode, request_id, final)
+        return self._response(request, mode, request_id, final, think)
 
     # ------------------------------------------------------------------ tool calls out of the text
 
@@ -231,7 +253,21 @@ class OpenAIServingChat(OpenAIServing):
             return self.tool_parser.parse(text)
         return ParsedOutput(text)
 
-    def _message(self, mode: ToolMode, text: str, finish_reason: str) -> tuple[ChatMessage, str]:
+    def _message(
+        self, mode: ToolMode, text: str, finish_reason: str, think: ThinkState = None
+    ) -> tuple[ChatMessage, str]:
+        """The message of a whole output: its think block (with a reasoning parser), then content and
+        tool calls out of the answer after it."""
+        if self.reasoning_parser is None:
+            return self._answer_message(mode, text, finish_reason)
+        reasoning, answer = self.reasoning_parser.split(text, think)
+        message, finish_reason = self._answer_message(mode, answer, finish_reason)
+        message.reasoning_content = reasoning
+        if reasoning is not None and not message.content:  # as vLLM: nothing after the block is null
+            message.content = None
+        return message, finish_reason
+
+    def _answer_message(self, mode: ToolMode, text: str, finish_reason: str) -> tuple[ChatMessage, str]:
         if mode.kind == "none":
             return ChatMessage(role=ROLE, content=text), finish_reason
         parsed = self.parse_tools(mode, text)
@@ -270,14 +306,19 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionLogProbs(content=content)
 
     def _response(
-        self, request: ChatCompletionRequest, mode: ToolMode, request_id: str, final: Any
+        self,
+        request: ChatCompletionRequest,
+        mode: ToolMode,
+        request_id: str,
+        final: Any,
+        think: ThinkState = None,
     ) -> ChatCompletionResponse:
         choices = []
         for out in final.outputs:
             logprobs = None
             if request.logprobs:
                 logprobs = self._logprobs(out.token_ids, out.logprobs or [], request.top_logprobs or 0)
-            message, finish_reason = self._message(mode, out.text, out.finish_reason or "stop")
+            message, finish_reason = self._message(mode, out.text, out.finish_reason or "stop", think)
             choices.append(
                 ChatCompletionResponseChoice(
                     index=out.index,
@@ -300,7 +341,11 @@ class OpenAIServingChat(OpenAIServing):
 
     def _deltas(self, mode: ToolMode, state: _ChoiceState, text: str, finished: bool) -> DeltaMessage | None:
         """What a streamed choice has not sent yet of `text`: content, then tool-call headers (index, id,
-        type, name) as soon as a call's name is complete, then its argument fragments."""
+        type, name) as soon as a call's name is complete, then its argument fragments. With a reasoning
+        parser the think block's text goes first, and the rest reads only the answer after it."""
+        reasoning = None
+        if state.reasoning is not None:
+            reasoning, text = self._split_delta(state, text, finished)
         if mode.kind == "none":
             content = text
             parsed = None
@@ -328,9 +373,21 @@ class OpenAIServingChat(OpenAIServing):
                 state.call_args_len[i] = len(call.arguments)
                 fragment = DeltaToolCall(index=i, function=DeltaFunctionCall(arguments=new))
                 delta.tool_calls = (delta.tool_calls or []) + [fragment]
-        if delta.content is None and delta.tool_calls is None:
+        delta.reasoning_content = reasoning
+        if delta.content is None and delta.tool_calls is None and reasoning is None:
             return None
         return delta
+
+    @staticmethod
+    def _split_delta(state: _ChoiceState, text: str, finished: bool) -> tuple[str | None, str]:
+        """Feed a choice's new output text to its reasoning stream: (the reasoning delta, the answer so far)."""
+        assert state.reasoning is not None
+        parts = [state.reasoning.feed(text[state.raw_len :])]
+        state.raw_len = len(text)
+        if finished:
+            parts.append(state.reasoning.finish())
+        state.answer += "".join(c or "" for _, c in parts)
+        return "".join(r or "" for r, _ in parts) or None, state.answer
 
     async def _stream(
         self,
@@ -339,6 +396,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id: str,
         num_prompt_tokens: int,
         stream: RequestStream,
+        think: ThinkState = None,
     ) -> AsyncIterator[str]:
         def chunk(choices: list[ChatCompletionResponseStreamChoice], usage: UsageInfo | None = None) -> str:
             return dump_sse(
@@ -347,7 +405,8 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
 
-        states = [_ChoiceState() for _ in range(request.n)]
+        parser = self.reasoning_parser
+        states = [_ChoiceState(reasoning=parser.stream(think) if parser else None) for _ in range(request.n)]
         completion_tokens = 0
         try:
             # The first delta of every choice carries the role, before any token exists (as OpenAI does).
