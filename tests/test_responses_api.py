@@ -6,6 +6,7 @@ call, previous_response_id, stored responses, max_output_tokens giving `incomple
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 
 import httpx
@@ -19,10 +20,13 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    """The real server with the default model (SmolLM2-135M), one per module."""
+    """The real server with the default model (SmolLM2-135M), one per module, splitting think blocks."""
     log = tmp_path_factory.mktemp("responses") / "server.log"
     with running_server(
-        log, "--num-kv-blocks", "256", "--max-num-seqs", "8", "--max-model-len", "1024"
+        log,
+        *("--num-kv-blocks", "256", "--max-num-seqs", "8", "--max-model-len", "1024"),
+        # the default model writes no think block of its own, so only a forced one is reasoning
+        *("--reasoning-parser", "qwen3", "--structured-outputs-config", '{"enable_in_reasoning": true}'),
     ) as info:
         yield info
 
@@ -243,6 +247,53 @@ def test_previous_response_id_continues_the_conversation(client, server):
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens - 8
 
 
+# a think block and an answer forced by a regex constraint, each matched by its own part (words bounded:
+# an unbounded [a-z]+ lets the small model run one word on to max_output_tokens)
+THINK = r"[a-z]{1,10}( [a-z]{1,10}){1,5}"
+ANSWER = r"[A-Z][a-z]{1,10}( [a-z]{1,10}){1,5}\."
+
+
+def test_reasoning_item_from_the_reasoning_parser_streamed_and_not(client, server):
+    ask = "Is the sky blue? Think first, then answer."
+    forced = {"structured_outputs": {"regex": "<think>" + THINK + "</think>" + ANSWER}}
+    common = dict(model=server.model, input=ask, max_output_tokens=80, temperature=0, extra_body=forced)
+    r = client.responses.create(**common)
+    assert r.status == "completed" and [item.type for item in r.output] == ["reasoning", "message"]
+    reasoning = r.output[0].content[0].text
+    assert re.fullmatch(THINK, reasoning) and re.fullmatch(ANSWER, r.output_text)
+    chat = (
+        client.chat.completions.create(
+            model=server.model,
+            messages=[{"role": "user", "content": ask}],
+            max_tokens=80,
+            temperature=0,
+            extra_body=forced,
+        )
+        .choices[0]
+        .message
+    )
+    assert (chat.model_extra["reasoning_content"], chat.content) == (reasoning, r.output_text)
+
+    with client.responses.stream(**common) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert collapsed([e.type for e in events]) == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        *MESSAGE_EVENTS[2:],
+        "response.completed",
+    ]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert final.output[0].content[0].text == reasoning and final.output_text == r.output_text
+
+
 def test_stored_responses_get_and_delete(client, server):
     r = client.responses.create(model=server.model, input="Hi", max_output_tokens=4, metadata={"k": "v"})
     got = client.responses.retrieve(r.id)
@@ -281,7 +332,7 @@ def test_max_output_tokens_gives_incomplete(client, server):
         ({"tools": [{"type": "web_search"}]}, 400, "tools"),
         ({"tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, 400, "tools"),
         ({"background": True}, 400, "background"),
-        ({"include": ["reasoning.encrypted_content"]}, 400, "include"),
+        ({"include": ["message.output_text.logprobs"]}, 400, "include"),
         ({"truncation": "auto"}, 400, "truncation"),
         ({"previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, 400, "input"),

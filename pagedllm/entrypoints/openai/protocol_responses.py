@@ -24,7 +24,9 @@ RESPONSES_REFUSED: dict[str, tuple[Any, ...]] = {
     "background_options": (),
     "conversation": (),
     "prompt": (),
-    "include": ([],),
+    # reasoning.encrypted_content asks for reasoning to pass back statelessly: it is nothing to add here,
+    # where reasoning passed back is dropped anyway (as chat templates drop earlier turns' reasoning)
+    "include": ([], ["reasoning.encrypted_content"]),
     "max_tool_calls": (),
     "top_logprobs": (0,),
     "truncation": ("disabled",),
@@ -47,8 +49,9 @@ class TextConfig(OpenAIBaseModel):
 
 
 class ReasoningConfig(OpenAIBaseModel):
-    # effort goes to the chat template as `reasoning_effort` (templates that do not read it ignore it);
-    # the reasoning item carries the whole reasoning text in `content`, never a summary
+    # effort goes to the chat template as `reasoning_effort`, and "none" as `enable_thinking: false` (Qwen3's
+    # switch); templates that read neither ignore both. The reasoning item (with --reasoning-parser)
+    # carries the whole reasoning text in `content`: summary is accepted, and none is written
     effort: str | None = None
     summary: str | None = None
     generate_summary: str | None = None  # the older name of summary
@@ -73,6 +76,8 @@ class ResponsesRequest(OpenAIRequestModel):
     previous_response_id: str | None = None
     stream: bool = False
     metadata: dict[str, str] | None = None
+    # vLLM's extra: an output constraint (regex, grammar, choice, json) beyond what text.format can say
+    structured_outputs: dict[str, Any] | None = None
     # accepted and unused: ids for abuse monitoring and a cache hint (prefix caching is automatic)
     user: str | None = None
     safety_identifier: str | None = None

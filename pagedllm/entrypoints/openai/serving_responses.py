@@ -46,6 +46,7 @@ CHAT_TO_RESPONSES = {
     "max_completion_tokens": "max_output_tokens",
     "response_format": "text.format",
     "chat_template_kwargs": "reasoning",
+    "structured_outputs": "structured_outputs",
 }
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
@@ -216,9 +217,11 @@ def chat_request(request: ResponsesRequest, messages: list[dict[str, Any]]) -> C
         "response_format": chat_response_format(request.text.format if request.text else None),
         "stream": request.stream,
         "stream_options": {"include_usage": True} if request.stream else None,
+        "structured_outputs": request.structured_outputs,
     }
-    if request.reasoning is not None and request.reasoning.effort is not None:
-        body["chat_template_kwargs"] = {"reasoning_effort": request.reasoning.effort}
+    effort = request.reasoning.effort if request.reasoning is not None else None
+    if effort is not None:
+        body["chat_template_kwargs"] = {"reasoning_effort": effort, "enable_thinking": effort != "none"}
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
