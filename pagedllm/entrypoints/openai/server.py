@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagedllm.engine.async_engine import AsyncEngine
 from pagedllm.engine.async_pooling import AsyncPoolingEngine
 from pagedllm.engine.protocol import EngineClient
-from pagedllm.entrypoints.anthropic.routes import add_anthropic_routes
+from pagedllm.entrypoints.openai.anthropic.routes import add_anthropic_routes
 from pagedllm.entrypoints.openai.cli_args import (
     add_arguments,
     http_limits,

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pagedllm.entrypoints.anthropic.protocol import (
+from pagedllm.entrypoints.openai.anthropic.protocol import (
     ContentBlock,
     CountTokensRequest,
     CountTokensResponse,
@@ -30,7 +30,7 @@ from pagedllm.entrypoints.anthropic.protocol import (
     anthropic_id,
     stop_reason,
 )
-from pagedllm.entrypoints.anthropic.streaming import message_events
+from pagedllm.entrypoints.openai.anthropic.streaming import message_events
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatCompletionResponse
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.errors import InputError

@@ -14,7 +14,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pagedllm.entrypoints.anthropic.protocol import (
+from pagedllm.entrypoints.openai.anthropic.protocol import (
     MessagesResponse,
     Usage,
     anthropic_id,

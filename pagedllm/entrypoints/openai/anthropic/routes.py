@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedllm.entrypoints.anthropic.protocol import (
+from pagedllm.entrypoints.openai.anthropic.protocol import (
     AnthropicErrorResponse,
     CountTokensRequest,
     CountTokensResponse,
@@ -17,7 +17,7 @@ from pagedllm.entrypoints.anthropic.protocol import (
     MessagesResponse,
     error_body,
 )
-from pagedllm.entrypoints.anthropic.serving import AnthropicServingMessages
+from pagedllm.entrypoints.openai.anthropic.serving import AnthropicServingMessages
 from pagedllm.entrypoints.openai.errors import add_error_shape
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 
