@@ -49,9 +49,8 @@ KERNELS: dict[str, Kernel] = {
     "woq_avx2": Kernel(
         "pagedllm_woq_avx2",
         "quantization/csrc/woq_avx2.cpp",
-        "4/8-bit weight-only matmul with int8 activations (AVX2 + FMA)",
-        min_tier="avx2",
-        fixed_tier="avx2",
+        "4/8-bit weight-only matmul with int8 activations (AVX2 + FMA; AVX512-VNNI from avx512_bf16)",
+        min_tier="avx2",  # built for this process's tier: VPDPBUSD where the tier has it, same results
     ),
     "woq_amx": Kernel(
         "pagedllm_woq_amx",

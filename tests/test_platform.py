@@ -15,7 +15,7 @@ from pagedllm.errors import InputError
 
 AVX2 = frozenset({"avx2", "fma", "f16c"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
-AVX512_BF16 = AVX512 | {"avx512_bf16"}
+AVX512_BF16 = AVX512 | {"avx512_bf16", "avx512_vnni"}
 AMX = AVX512_BF16 | {"amx_tile", "amx_bf16"}
 FLAGS_OF = {"avx2": AVX2, "avx512": AVX512, "avx512_bf16": AVX512_BF16, "amx": AMX}
 COMMON = frozenset({"fpu", "sse", "sse2", "ssse3", "sse4_1", "sse4_2", "avx", "popcnt"})
@@ -77,6 +77,8 @@ def test_tier_of_stops_at_the_first_incomplete_tier():
     assert platform.tier_of(AMX - {"avx512vl"}) == "avx2"
     # AMX without avx512_bf16
     assert platform.tier_of(AMX - {"avx512_bf16"}) == "avx512"
+    # bf16 without VNNI (no such CPU is known): the bf16 tier's kernels use VPDPBUSD, so not that tier
+    assert platform.tier_of(AMX - {"avx512_vnni"}) == "avx512"
     # only one of the two AMX flags
     assert platform.tier_of(AMX - {"amx_bf16"}) == "avx512_bf16"
 
@@ -206,6 +208,7 @@ def test_cflags_include_every_lower_tier_and_never_native(tier):
 
 def test_cflags_of_the_top_tiers():
     assert "-mavx512bf16" in platform.cflags("avx512_bf16")
+    assert "-mavx512vnni" in platform.cflags("avx512_bf16") and "-mavx512vnni" not in platform.cflags("avx512")
     assert {"-mamx-tile", "-mamx-bf16"} <= set(platform.cflags("amx"))
     assert "-mavx512bf16" not in platform.cflags("avx512")
 

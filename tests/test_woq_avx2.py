@@ -269,3 +269,24 @@ def test_real_layers_of_the_default_model():
         )
         assert avx2.pack(codes, scales, mins, bits)[1].dtype == torch.float16  # GGUF: fp16-exact
         check(torch.randn(3, codes.shape[1]), codes, scales, mins, bits, 32)
+
+
+def test_the_vnni_build_equals_the_avx2_build_bit_for_bit(kernel):
+    """At avx512_bf16 and up the kernel is built with AVX512-VNNI (VPDPBUSD for VPMADDUBSW + VPMADDWD +
+    VPADDD); no int16 sum saturates for any of its operands, so its results are the AVX2 build's exactly."""
+    from pagedllm import kernels, platform
+    from pagedllm.cpp_extension import load_cpp_extension
+
+    if not platform.capabilities().at_least("avx512_bf16"):
+        pytest.skip("below the avx512_bf16 tier this process's build is the AVX2 one")
+    spec = kernels.KERNELS["woq_avx2"]
+    plain = load_cpp_extension(spec.module, spec.path, tier="avx2")
+    for bits, k, n, group, exact in CASES:
+        codes, scales, mins = layer(n, k, 8 if bits == 6 else bits, group, exact)
+        if bits == 6:
+            codes = codes % 64
+        layout = pack(codes, scales, mins, bits)
+        for rows in (1, 3, 17):
+            x = torch.randn(rows, k) * 3
+            args = (*layout, None, bits, group or k, n)
+            assert torch.equal(kernel.matmul(x, *args), plain.matmul(x, *args)), (bits, k, n, group, rows)

@@ -110,6 +110,32 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// Where the tier has AVX512-VNNI (avx512_bf16 and up: platform.py), VPDPBUSD does a VPMADDUBSW +
+// VPMADDWD + VPADDD in one instruction, its 4-term sums going straight into int32 lanes. The int32 results
+// are the same wherever VPMADDUBSW's int16 pair sums cannot saturate, which the operand ranges of every
+// caller guarantee (header comment), so both builds give the same results bit for bit.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define WOQ_VNNI 1
+#endif
+
+// acc + the 4-term dot products of u's unsigned and s's signed bytes, per int32 lane
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+#ifdef WOQ_VNNI
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// the same without an accumulator
+inline __m256i dot4(__m256i u, __m256i s) {
+#ifdef WOQ_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
 inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -261,7 +287,7 @@ inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes
   }
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
     _mm_prefetch(reinterpret_cast<const char*>(sc.addr(g + prefetch_groups)), _MM_HINT_T0);
@@ -286,12 +312,18 @@ inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes
         }
         for (int r = 0; r < R; ++r) {
           const int8_t* x = xq[r] + b * kBlock;
+#ifdef WOQ_VNNI
+          __m256i p = dot4(w[0], bcast4(x));
+          for (int j = 1; j < 8; ++j) p = dot4(p, w[j], bcast4(x + 4 * j));
+          isum[r] = p;
+#else
           __m256i p = _mm256_maddubs_epi16(w[0], bcast4(x));
           for (int j = 1; j < 8; ++j) {
             p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[j], bcast4(x + 4 * j)));
             asm("" : "+x"(p));  // keep the chain: no reassociation into a tree of spilled products
           }
           isum[r] = _mm256_madd_epi16(p, ones);
+#endif
         }
       } else {
         for (int j = 0; j < 8; ++j) {
@@ -299,8 +331,7 @@ inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes
           const __m256i aw = _mm256_abs_epi8(w);
           for (int r = 0; r < R; ++r) {
             const __m256i xs = _mm256_sign_epi8(bcast4(xq[r] + b * kBlock + 4 * j), w);
-            const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones);
-            isum[r] = j == 0 ? t : _mm256_add_epi32(isum[r], t);
+            isum[r] = j == 0 ? dot4(aw, xs) : dot4(isum[r], aw, xs);
           }
         }
       }
@@ -333,7 +364,6 @@ inline void panel_kernel_g16(const QuantizedX& a, int64_t row0, const uint8_t* c
   }
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
   const __m256 k128 = _mm256_set1_ps(128.f);
   for (int64_t b = 0; b < nb; ++b) {
     _mm_prefetch(reinterpret_cast<const char*>(sc.addr(2 * b + prefetch_groups)), _MM_HINT_T0);
@@ -349,8 +379,7 @@ inline void panel_kernel_g16(const QuantizedX& a, int64_t row0, const uint8_t* c
         const __m256i aw = _mm256_abs_epi8(w);
         for (int r = 0; r < R; ++r) {
           const __m256i xs = _mm256_sign_epi8(bcast4(xq[r] + b * kBlock + 4 * j), w);
-          const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones);
-          isum[r] = j == 4 * h ? t : _mm256_add_epi32(isum[r], t);
+          isum[r] = j == 4 * h ? dot4(aw, xs) : dot4(isum[r], aw, xs);
         }
       }
       // 8-bit codes are stored as q - 128: s q + m = s (q - 128) + (m + 128 s)
@@ -388,7 +417,6 @@ inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* co
   }
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
   const __m256i nibble = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
   for (int64_t b = 0; b < nb; ++b) {
     _mm_prefetch(reinterpret_cast<const char*>(sc.addr(2 * b + prefetch_groups)), _MM_HINT_T0);
@@ -408,8 +436,7 @@ inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* co
         const __m256i w = _mm256_or_si256(low, top);
         for (int r = 0; r < R; ++r) {
           const __m256i x = bcast4(xq[r] + b * kBlock + 16 * h + 4 * t);
-          const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
-          isum[r] = t == 0 ? prod : _mm256_add_epi32(isum[r], prod);
+          isum[r] = t == 0 ? dot4(w, x) : dot4(isum[r], w, x);
         }
       }
       const __m256 s = sc.at(g);
