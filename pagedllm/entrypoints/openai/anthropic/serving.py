@@ -177,9 +177,8 @@ def message_from_chat(
     (choice,) = response.choices
     message = choice.message
     content: list[ContentBlock] = []
-    reasoning = getattr(message, "reasoning_content", None)
-    if reasoning:
-        content.append(ThinkingBlock(thinking=reasoning))
+    if message.reasoning_content:
+        content.append(ThinkingBlock(thinking=message.reasoning_content))
     if message.content:
         content.append(TextBlock(text=message.content))
     calls = message.tool_calls[:1] if single_call else message.tool_calls
