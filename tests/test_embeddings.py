@@ -9,6 +9,7 @@ Equal means cosine >= 0.9999 and max abs difference <= 2e-3, row by row.
 from __future__ import annotations
 
 import base64
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -252,3 +253,18 @@ def test_embeddings_on_a_generative_server_are_refused() -> None:
         r = httpx.post(base_url + "/v1/rerank", json={"query": "a", "documents": ["b"]}, timeout=30)
         assert_400(r, "model")
         assert httpx.get(base_url + "/health", timeout=10).status_code == 200
+
+
+def test_bench_embed_prints_both_systems(bert, capsys, tmp_path) -> None:
+    from cli_helpers import cli
+
+    report = tmp_path / "embed.json"
+    rc, out, _ = cli(
+        capsys, "bench", "embed", "--model", str(bert[1]), "--num-texts", "6", "--min-len", "8",
+        "--max-len", "40", "--dtype", "fp32", "--output-json", str(report),
+    )  # fmt: skip
+    assert rc == 0 and "sentence-transformers" in out and "pagedllm" in out
+    rows = json.loads(report.read_text())["results"]
+    assert [r["system"] for r in rows] == ["pagedllm", "sentence-transformers"]
+    assert rows[1]["min_cosine_to_pagedllm"] >= 0.9999
+    assert all(r["seqs_per_s"] > 0 for r in rows)

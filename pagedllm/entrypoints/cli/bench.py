@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from pagedllm.entrypoints.cli.bench_embed import add_embed_parser
 from pagedllm.entrypoints.engine_args import add_engine_args, engine_kwargs
 from pagedllm.errors import InputError
 
@@ -24,6 +25,7 @@ def add_parser(subparsers) -> None:
     _add_throughput(sub)
     _add_serve(sub)
     _add_memory(sub)
+    add_embed_parser(sub)
     p.set_defaults(run=lambda args: p.print_help() or 0)
 
 
