@@ -49,6 +49,7 @@ from pagedllm.entrypoints.openai.limits import (
     cap_allocator_growth,
     guarded_h11_protocol,
 )
+from pagedllm.entrypoints.openai.ollama.routes import add_ollama_routes
 from pagedllm.entrypoints.openai.pages import PAGE_PATHS, STATIC_PREFIX, add_page_routes
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -329,6 +330,7 @@ def build_app(
     add_responses_routes(app, chat, _unless_disconnected, _errors)
     add_anthropic_routes(app, chat, _unless_disconnected)
     add_pooling_routes(app, engine, pooling, served_model_names, TOKENIZER_ERRORS)
+    add_ollama_routes(app, chat, completions, model_root=model_root, unless_disconnected=_unless_disconnected)
     add_kv_routes(app, engine, debug_routes=kv_debug_routes)
     add_page_routes(app)
     return app
