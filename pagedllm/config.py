@@ -93,6 +93,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    policy: str = "fcfs"  # or "priority" (core/request_queue.py)
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

@@ -48,6 +48,7 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: list[int] = field(default_factory=list)  # from the engine (tokenizer / model config)
     arrival_time: float = 0.0
+    priority: int = 0  # --scheduling-policy priority: lower runs first (vLLM's meaning)
     group_id: str | None = None  # siblings of one n > 1 request share it; defaults to request_id
     index: int = 0  # 0..n-1 among the siblings
     output_token_ids: list[int] = field(default_factory=list)

@@ -4,18 +4,23 @@ One token budget per step is shared by decodes (1 token each, or 1 + its draft t
 speculates) and prefill chunks, running requests first. When blocks run out, a request's draft tokens
 go first; then the newest running request is preempted (its KV dropped; it later recomputes prompt +
 output so far). Waiting requests are then admitted first come, first served.
+
+--scheduling-policy priority (vLLM's): requests rank by (priority, arrival), lower first. The waiting queue
+is served in rank order, the lowest-ranked running request is the one preempted when blocks run out, and a
+waiting request that finds no free slot or blocks preempts the lowest-ranked running request when that one
+ranks below it.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request_queue import make_request_queue
 from pagedllm.core.scheduler_output import RunnerSync, SchedulerOutput
 from pagedllm.errors import InputError
 
@@ -39,7 +44,8 @@ class Scheduler:
             cache_config.enable_prefix_caching,
             cache_config.sliding_window,
         )
-        self.waiting: deque[Request] = deque()
+        self.by_priority = scheduler_config.policy == "priority"
+        self.waiting = make_request_queue(scheduler_config.policy, self._priority)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0
@@ -81,7 +87,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._order[request.request_id] = self._next_order
         self._next_order += 1
-        self.waiting.append(request)
+        self.waiting.add_request(request)
         # n > 1 with something to share: the siblings wait for index 0's prompt blocks.
         if request.sampling_params.n > 1 and request.num_prompt_tokens > 1 and not request.output_token_ids:
             group = self._fork_groups.setdefault(request.group_id, _ForkGroup())
@@ -92,8 +98,10 @@ class Scheduler:
 
     # -- scheduling ------------------------------------------------------------------------------
 
-    def _priority(self, request: Request) -> tuple[float, int]:
-        return request.arrival_time, self._order[request.request_id]
+    def _priority(self, request: Request) -> tuple[float, ...]:
+        """The request's rank, smallest first: arrival order, after its priority under the priority policy."""
+        rank = request.arrival_time, self._order[request.request_id]
+        return (request.priority, *rank) if self.by_priority else rank
 
     def _fork_limit(self, request: Request) -> int | None:
         """For a leader whose siblings still wait: stop its prefill before the last prompt token."""
@@ -135,6 +143,12 @@ class Scheduler:
             return "fork"
         return "wait"
 
+    def _admission_action(self, request: Request) -> str:
+        """_sibling_action, and 'wait' while its grammar compiles (off the step; the others go on)."""
+        if request.structured_output is not None and not request.structured_output.is_ready:
+            return "wait"
+        return self._sibling_action(request)
+
     def _drop_pending(self, request: Request) -> None:
         group = self._fork_groups.get(request.group_id)
         if group is None:
@@ -150,7 +164,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.prepend_request(request)
         self._dissolve_if_leader(request)
 
     def _dissolve_if_leader(self, request: Request) -> None:
@@ -159,6 +173,30 @@ class Scheduler:
         if group is not None and group.leader is request:
             del self._fork_groups[request.group_id]
 
+    def _preempt_for_waiting(self, preempted: list[str]) -> None:
+        """Priority policy: while the first waiting request finds no free slot, or too few free blocks for a
+        first chunk as long as a step's budget, and the lowest-ranked running request ranks below it, that
+        one is preempted (vLLM's rule). This runs before anything is scheduled this step, so a victim never
+        goes with tokens scheduled whose blocks the prefix cache already knows."""
+        if not self.by_priority or not self.waiting:
+            return
+        head = self.waiting.peek_request()
+        action = self._admission_action(head)
+        if action == "wait":
+            return
+        chunk = min(head.num_tokens, self.scheduler_config.max_num_batched_tokens)
+        while self.running:
+            if len(self.running) < self.scheduler_config.max_num_seqs and (
+                action == "fork" or self.kv_cache_manager.can_allocate(head, chunk)
+            ):
+                return
+            victim = max(self.running, key=self._priority)
+            if self._priority(victim) < self._priority(head):
+                return
+            self.running.remove(victim)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+
     def schedule(self) -> SchedulerOutput:
         kv = self.kv_cache_manager
         budget = self.scheduler_config.max_num_batched_tokens
@@ -166,6 +204,8 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         preempted: list[str] = []
         spec: dict[str, list[int]] = {}
+        self._preempt_for_waiting(preempted)
+        blocks_ran_short = False
 
         # 1. Running requests, oldest first, so the newest (the preemption victim) is always at the end
         #    and never one already scheduled this step.
@@ -185,6 +225,7 @@ class Scheduler:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
+                blocks_ran_short = True
                 if victim is request:
                     break
             if request.status == RequestStatus.PREEMPTED:
@@ -196,16 +237,15 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # 2. Waiting requests, first come first served; none when blocks ran short this step.
-        if not preempted:
+        # 2. Waiting requests, first come first served (by rank under the priority policy); none when
+        #    blocks ran short this step.
+        if not blocks_ran_short:
             skipped: list[Request] = []  # siblings waiting for their leader keep their place
             while self.waiting and budget > 0 and len(self.running) < self.scheduler_config.max_num_seqs:
-                request = self.waiting[0]
-                action = self._sibling_action(request)
-                if request.structured_output is not None and not request.structured_output.is_ready:
-                    action = "wait"  # its grammar compiles off the step; the others go on meanwhile
+                request = self.waiting.peek_request()
+                action = self._admission_action(request)
                 if action == "wait":
-                    skipped.append(self.waiting.popleft())
+                    skipped.append(self.waiting.pop_request())
                     continue
                 if action == "fork":
                     leader = self._fork_groups[request.group_id].leader
@@ -225,13 +265,13 @@ class Scheduler:
                     num_new = min(num_new, budget)
                     if not kv.allocate_slots(request, num_new, computed_blocks):
                         break
-                self.waiting.popleft()
+                self.waiting.pop_request()
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 scheduled.append(request)
                 num_scheduled[request.request_id] = num_new
                 budget -= num_new
-            self.waiting.extendleft(reversed(skipped))
+            self.waiting.prepend_requests(skipped)
 
         total = sum(num_scheduled.values())
         assert total <= self.scheduler_config.max_num_batched_tokens
@@ -330,7 +370,7 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
             else:
-                self.waiting.remove(request)
+                self.waiting.remove_request(request)
             request.status = finished_status
             if stop_reason is not None:
                 request.stop_reason = stop_reason
