@@ -47,6 +47,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None  # Lark (llguidance's dialect) or GBNF
     json_object: bool | None = None  # any JSON object
+    # the constraint applies only once the output has contained this text (a reasoning model's </think>:
+    # the think block before it is free); None: from the first token
+    start_after: str | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -70,6 +73,8 @@ class StructuredOutputsParams:
                 raise InputError(f"structured_outputs.{name} must be a non-empty string", param=name)
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise InputError("structured_outputs.json must be a JSON schema object", param="json")
+        if self.start_after is not None and (not isinstance(self.start_after, str) or not self.start_after):
+            raise InputError("structured_outputs.start_after must be a non-empty string", param="start_after")
 
     @property
     def kind(self) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import re
 import threading
 from collections.abc import Iterator
@@ -24,7 +25,9 @@ from pagedllm.entrypoints.openai.cli_args import add_arguments, make_engine, rea
 from pagedllm.entrypoints.openai.server import build_app
 from pagedllm.entrypoints.reasoning import REASONING_PARSERS, get_reasoning_parser
 from pagedllm.errors import InputError
+from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.config import parse_structured_outputs_config
+from pagedllm.structured_output.manager import StructuredOutputManager
 
 # (text, state) -> (reasoning, answer), per parser; state: what the prompt left open (None: unknown)
 CASES = {
@@ -42,6 +45,8 @@ CASES = {
         ("<think>abc</think>xyz", "reasoning", ("abc", "xyz")),
         ("<think>abc</think>xyz", "content", (None, "<think>abc</think>xyz")),  # thinking off
         ("a</think>b</think>c", None, ("a", "b</think>c")),
+        ("abc</think>xyz", "start", (None, "abc</think>xyz")),  # the prompt did not open it: no block
+        ("<think>abc</think>xyz", "start", ("abc", "xyz")),
     ],
     "deepseek_r1": [
         ("<think>abc</think>xyz", None, ("abc", "xyz")),
@@ -51,6 +56,7 @@ CASES = {
         ("\nabc</think>", None, ("\nabc", "")),
         ("<thi", None, ("<thi", "")),
         ("abc", "content", (None, "abc")),
+        ("abc</think>xyz", "start", ("abc", "xyz")),
         ("a</think>b</think>c", None, ("a", "b</think>c")),
     ],
 }
@@ -118,7 +124,7 @@ def test_stream_holds_back_only_a_possible_tag() -> None:
     [
         ("<|im_start|>assistant\n<think>\n", "reasoning"),  # Qwen3 thinking models open the block
         ("<|im_start|>assistant\n<think>\n\n</think>\n\n", "content"),  # enable_thinking=False
-        ("<|im_start|>assistant\n", None),
+        ("<|im_start|>assistant\n", "start"),
     ],
 )
 def test_prompt_state(tail: str, state) -> None:
@@ -166,15 +172,10 @@ def engine() -> Iterator[AsyncEngine]:
     asyncio.run(engine.shutdown(timeout=5))
 
 
-@pytest.fixture(scope="module", params=sorted(REASONING_PARSERS))
-def server(request: pytest.FixtureRequest, engine: AsyncEngine) -> Iterator[ServerInfo]:
-    """The server's app as `serve` builds it from these flags, on loopback in a thread."""
-    args = server_args(
-        *("--reasoning-parser", request.param),
-        *("--structured-outputs-config", '{"enable_in_reasoning": true}'),
-    )
-    reasoning_parser, enable_in_reasoning = reasoning_options(args)
-    assert (reasoning_parser, enable_in_reasoning) == (request.param, True)
+@contextlib.contextmanager
+def serve(engine: AsyncEngine, *flags: str) -> Iterator[ServerInfo]:
+    """The server's app as `serve` builds it with these flags, over `engine`, on loopback in a thread."""
+    reasoning_parser, enable_in_reasoning = reasoning_options(server_args(*flags))
     app = build_app(
         engine,
         served_model_names=["default"],
@@ -183,18 +184,36 @@ def server(request: pytest.FixtureRequest, engine: AsyncEngine) -> Iterator[Serv
         enable_in_reasoning=enable_in_reasoning,
     )
     port = free_port()
-    # lifespan off: the engine outlives this app (the next parser's app serves it too)
+    # lifespan off: the engine outlives this app (the other apps of the module serve it too)
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     info = ServerInfo(base_url=f"http://127.0.0.1:{port}", model="default")
-    info.parser = request.param
+    info.parser = reasoning_parser
     try:
         wait_healthy(info.base_url, 30, alive=thread.is_alive)
         yield info
     finally:
         uv.should_exit = True
         thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module", params=sorted(REASONING_PARSERS))
+def server(request: pytest.FixtureRequest, engine: AsyncEngine) -> Iterator[ServerInfo]:
+    """A parser, and constraints over the whole output (think block included)."""
+    with serve(
+        engine,
+        *("--reasoning-parser", request.param),
+        *("--structured-outputs-config", '{"enable_in_reasoning": true}'),
+    ) as info:
+        yield info
+
+
+@pytest.fixture(scope="module")
+def gated_server(engine: AsyncEngine) -> Iterator[ServerInfo]:
+    """deepseek_r1 with constraints on the answer only (vLLM's default)."""
+    with serve(engine, "--reasoning-parser", "deepseek_r1") as info:
+        yield info
 
 
 @pytest.fixture
@@ -227,22 +246,25 @@ def forced(client: openai.OpenAI, server: ServerInfo, regex: str, **kw):
 def test_chat_splits_the_forced_think_block(client: openai.OpenAI, server: ServerInfo, opened: bool) -> None:
     """Non-streamed and streamed, the two parts come apart exactly: each matches its own part of the
     constraint, and streamed deltas add up to the same two texts."""
-    if not opened and server.parser == "qwen3":
-        pytest.skip("qwen3 reads text before </think> as reasoning only once the block opened")
     regex = ("<think>" if opened else "") + THINK + "</think>" + ANSWER
     r = forced(client, server, regex)
     message = r.choices[0].message
     reasoning = message.model_extra["reasoning_content"]
-    assert re.fullmatch(THINK, reasoning), reasoning
-    assert re.fullmatch(ANSWER, message.content), message.content
+    if not opened and server.parser == "qwen3":
+        # neither this template (SmolLM2's) nor the output opened a block: no reasoning, all answer
+        assert reasoning is None
+        assert re.fullmatch(THINK + "</think>" + ANSWER, message.content), message.content
+    else:
+        assert re.fullmatch(THINK, reasoning), reasoning
+        assert re.fullmatch(ANSWER, message.content), message.content
     assert r.choices[0].finish_reason == "stop"
 
     chunks = [c.choices[0].delta for c in forced(client, server, regex, stream=True) if c.choices]
     parts = [(reasoning_of(d), d.content or "") for d in chunks]
-    assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == (reasoning, message.content)
+    assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == (reasoning or "", message.content)
     # all reasoning arrives before any answer text
     kinds = ["r" if r else "c" for r, c in parts if r or c]
-    assert kinds == sorted(kinds, reverse=True) and kinds[0] == "r" and kinds[-1] == "c"
+    assert kinds == sorted(kinds, reverse=True) and kinds[-1] == "c"
 
 
 @pytest.mark.slow
@@ -256,3 +278,99 @@ def test_no_think_block(client: openai.OpenAI, server: ServerInfo) -> None:
     else:
         assert re.fullmatch(ANSWER, message.model_extra["reasoning_content"])
         assert message.content is None
+
+
+def test_config_flags() -> None:
+    assert reasoning_options(server_args()) == (None, False)
+    assert reasoning_options(server_args("--structured-outputs-config", '{"reasoning_parser": "qwen3"}')) == (
+        "qwen3",
+        False,
+    )
+    with pytest.raises(InputError, match="names reasoning_parser 'qwen3', --reasoning-parser 'deepseek_r1'"):
+        reasoning_options(
+            server_args(
+                *("--reasoning-parser", "deepseek_r1"),
+                *("--structured-outputs-config", '{"reasoning_parser": "qwen3"}'),
+            )
+        )
+    with pytest.raises(InputError, match="unknown reasoning_parser 'nope'"):
+        reasoning_options(server_args("--structured-outputs-config", '{"reasoning_parser": "nope"}'))
+
+
+# ---------------------------------------------------------------------------------------------- the gate
+
+
+@pytest.mark.slow
+def test_constraint_starts_after_the_think_block(engine: AsyncEngine) -> None:
+    """start_after="</think>" (a tag of three tokens for this vocabulary): every token is free until the
+    output has contained it, drafts stop before the token that completes it, then the grammar applies."""
+    tok = engine.tokenizer
+    manager = StructuredOutputManager(tok.hf, engine.model_config.vocab_size, [tok.hf.eos_token_id])
+    digits = [tok.encode(d, add_special_tokens=False)[0] for d in "123"]
+    think = tok.encode("I see </think>", add_special_tokens=False)
+    assert len(think) > 3  # the tag spans tokens
+
+    class Req:
+        structured_output = manager.request(StructuredOutputsParams(regex="[0-9]{3}", start_after="</think>"))
+
+    so = Req.structured_output
+    so.future.result(timeout=60)
+    assert so.is_ready and so.gated
+    for i, t in enumerate(think):
+        assert (manager.grammar_bitmask([Req]) == -1).all()  # free: no grammar yet
+        assert manager.validate_drafts(Req, think[i:] + digits) == think[i:-1]  # up to the tag's last token
+        assert so.accept_token(t)
+    assert not so.gated
+    allowed = allowed_tokens(manager.grammar_bitmask([Req])[0], engine.model_config.vocab_size)
+    assert allowed and all(re.fullmatch("[0-9]", tok.decode([t])) for t in allowed)
+    for t in digits:
+        assert so.accept_token(t)
+    assert so.is_terminated
+
+    class Plain:  # the same constraint without start_after applies from the first token
+        structured_output = manager.request(StructuredOutputsParams(regex="[0-9]{3}"))
+
+    Plain.structured_output.future.result(timeout=60)
+    assert Plain.structured_output.is_ready and not Plain.structured_output.gated
+    assert allowed_tokens(manager.grammar_bitmask([Plain])[0], engine.model_config.vocab_size) == allowed
+    manager.shutdown()
+
+
+def allowed_tokens(row, vocab_size: int) -> list[int]:
+    """The token ids a bitmask row allows (bit t % 32 of word t // 32)."""
+    return [t for t in range(vocab_size) if (int(row[t // 32]) >> (t % 32)) & 1]
+
+
+@pytest.mark.slow
+def test_chat_constraint_applies_after_the_think_block(engine: AsyncEngine, gated_server: ServerInfo) -> None:
+    """Without enable_in_reasoning the regex constrains only the answer: the model, nudged by logit_bias
+    towards the tokens of </think>, writes a free think block, closes it, and then only the regex's
+    digits; with enable_in_reasoning (the `server` apps) the same request gives digits from the start."""
+    tag = engine.tokenizer.encode("</think>", add_special_tokens=False)
+    body = {
+        "structured_outputs": {"regex": "[0-9]{3}"},
+        "logit_bias": {str(t): 10 for t in tag},
+    }
+    ask = [{"role": "user", "content": "Repeat exactly: </think>123"}]
+    with openai.OpenAI(base_url=gated_server.url("/v1"), api_key=API_KEY, max_retries=0) as client:
+        r = client.chat.completions.create(
+            model="default", messages=ask, temperature=0, max_tokens=30, extra_body=body
+        )
+    message = r.choices[0].message
+    assert re.fullmatch("[0-9]{3}", message.content), message.content
+    reasoning = message.model_extra["reasoning_content"]
+    assert reasoning and not re.fullmatch("[0-9]*", reasoning)  # the think block was not constrained
+    assert r.choices[0].finish_reason == "stop"
+    with serve(
+        engine,
+        "--reasoning-parser",
+        "deepseek_r1",
+        "--structured-outputs-config",
+        '{"enable_in_reasoning": true}',
+    ) as whole:
+        with openai.OpenAI(base_url=whole.url("/v1"), api_key=API_KEY, max_retries=0) as client:
+            r = client.chat.completions.create(
+                model="default", messages=ask, temperature=0, max_tokens=30, extra_body=body
+            )
+    assert re.fullmatch("[0-9]{3}", r.choices[0].message.model_extra["reasoning_content"])
+    assert r.choices[0].message.content is None

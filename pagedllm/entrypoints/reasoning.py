@@ -11,10 +11,10 @@ As vLLM's parsers of the same names, on text rather than token ids: here the tag
 (the default model has no think tokens), so a stream holds back a tail that could still become a tag.
 Whether the prompt already opened or closed the block (Qwen3's enable_thinking=False renders an empty
 <think></think> into it) is read from the prompt's end (`prompt_state`); a closed block leaves all output
-answer. `split` takes a whole text, `stream` the same text delta by delta; the deltas of a stream add up to
-the split of their sum, except in one case a stream cannot know in advance: qwen3 output that does not open
-with <think> (and a prompt that did not open it either) is streamed as answer, so a </think> that comes
-later stays in the answer, where `split` reads the text before it as reasoning.
+answer. `split` takes a whole text, `stream` the same text delta by delta; given the prompt's state, the
+deltas of a stream add up to the split of their sum. Without it (state None) `split` also reads qwen3 text
+before a lone </think> as reasoning, on the guess that a template opened the block; a stream cannot guess
+that in advance, and streams such output as answer.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 # Where the output starts: inside the think block (the prompt opened it), after it (the prompt closed it),
-# or not known from the prompt (None): then the output's own first tag decides.
-ThinkState = Literal["reasoning", "content"] | None
+# at the start of its own text (the prompt did neither: the output's first tag decides), or unknown (None).
+ThinkState = Literal["reasoning", "content", "start"] | None
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -51,7 +51,7 @@ class ReasoningParser:
             return "reasoning"
         if tail.endswith(self.end):
             return "content"
-        return None
+        return "start"
 
     def stream(self, state: ThinkState = None) -> ReasoningStream:
         return ReasoningStream(self, state)
@@ -78,7 +78,8 @@ class ReasoningStream:
 
     def __init__(self, parser: ReasoningParser, state: ThinkState = None):
         self.parser = parser
-        # start: a leading <think> (even after the prompt opened the block) is not part of the reasoning
+        # start: a leading <think> (even after the prompt opened the block) is not part of the reasoning;
+        # an unknown state (None) streams as "start"
         self.phase = "content" if state == "content" else "start"
         self.opened = parser.opened_by_default or state == "reasoning"
         self.entered = state == "reasoning"  # the output is (or was) inside a think block

@@ -8,6 +8,12 @@ ready yet simply waits in the scheduler; everything else keeps running.
 The bitmask is one int32 row per constrained request, bit t of the row allowing token t (llguidance's
 layout, 32 tokens a word); llguidance fills the rows of a whole step in parallel Rust threads, and the
 sampler applies them to the batch in one tensor operation.
+
+A constraint with start_after (a reasoning model's </think>) waits for that text: until the output has
+contained it the request is "gated", its row allows every token and its matcher does not move (vLLM's
+structured outputs wait for the reasoning end the same way). The text is looked for in the tokens' bytes,
+so a tag that spans several tokens counts too; the grammar starts with the token after the one that
+completed the tag (text that token has after the tag is not constrained).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -35,9 +41,40 @@ MAX_CACHED_GRAMMARS = 256  # compiled matchers kept (a JSON schema's is tens of 
 class StructuredOutputRequest:
     """One request's matcher: waits for its compiled grammar, then follows the tokens the request samples."""
 
-    def __init__(self, compiled: Future):
+    def __init__(
+        self,
+        compiled: Future,
+        start_after: str | None = None,
+        tokenizer: Callable[[], llguidance.LLTokenizer] | None = None,
+    ):
         self._compiled = compiled
         self.matcher: llguidance.LLMatcher | None = None
+        self._gate = start_after.encode() if start_after else None  # None once passed (or never set)
+        self._gate_tail = b""  # the output's last bytes while gated: a tag may span tokens
+        self._tokenizer = tokenizer  # for the tokens' bytes; built by the compile the request waited for
+
+    @property
+    def gated(self) -> bool:
+        """The grammar has not started yet: the output has not contained start_after."""
+        return self._gate is not None
+
+    def _scan_gate(self, tail: bytes, token_id: int) -> tuple[bool, bytes]:
+        """(whether this token completes start_after, the bytes to keep looking in)."""
+        assert self._gate is not None and self._tokenizer is not None
+        tail += self._tokenizer().decode_bytes([token_id])
+        if self._gate in tail:
+            return True, b""
+        return False, tail[max(0, len(tail) - len(self._gate) + 1) :]
+
+    def gated_drafts(self, drafts: Sequence[int]) -> int:
+        """How many leading drafts keep the request gated: a draft that would open the gate is not
+        proposed, so that every row of a gated request's step is free."""
+        tail = self._gate_tail
+        for n, token_id in enumerate(drafts):
+            opened, tail = self._scan_gate(tail, token_id)
+            if opened:
+                return n
+        return len(drafts)
 
     @property
     def is_ready(self) -> bool:
@@ -63,11 +100,17 @@ class StructuredOutputRequest:
         """Advance over a sampled token; False when the grammar did not allow it (the matcher then stays in
         an error state, and its mask allows only EOS)."""
         assert self.matcher is not None, "a request samples only once its grammar is ready"
+        if self._gate is not None:
+            opened, self._gate_tail = self._scan_gate(self._gate_tail, token_id)
+            if opened:
+                self._gate = None
+            return True
         return self.matcher.consume_token(token_id)
 
     def rollback(self, num_tokens: int) -> None:
-        """Forget the last num_tokens accepted (rejected speculative tokens)."""
-        assert self.matcher is not None
+        """Forget the last num_tokens accepted (rejected speculative tokens; never while gated, whose
+        drafts stop before the gate)."""
+        assert self.matcher is not None and self._gate is None
         self.matcher.rollback(num_tokens)
 
     @property
@@ -112,7 +155,7 @@ class StructuredOutputManager:
                     self._compiled.popitem(last=False)
             else:
                 self._compiled.move_to_end(key)
-        return StructuredOutputRequest(future)
+        return StructuredOutputRequest(future, params.start_after, self.ll_tokenizer)
 
     def _compile(self, grammar: str) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self.ll_tokenizer(), grammar, log_level=0)
@@ -144,25 +187,37 @@ class StructuredOutputManager:
         bitmask = torch.full((num_rows, self.bitmask_width), -1, dtype=torch.int32)
         if self._fill_executor is None:
             self._fill_executor = llguidance.LLExecutor()
+        # a gated request's rows stay all ones: its grammar has not started
         if not drafts or not any(drafts):
-            matchers = [(r.structured_output.matcher, i) for i, r in enumerate(requests)]
-            self._fill_executor.unsafe_compute_mask_ptr(
-                matchers, bitmask.data_ptr(), self.bitmask_width * 4, num_rows
-            )
+            matchers = [
+                (r.structured_output.matcher, i)
+                for i, r in enumerate(requests)
+                if not r.structured_output.gated
+            ]
+            if matchers:
+                self._fill_executor.unsafe_compute_mask_ptr(
+                    matchers, bitmask.data_ptr(), self.bitmask_width * 4, num_rows
+                )
             return bitmask
         items, at = [], 0
         for r, d in zip(requests, drafts):
-            items.append((r.structured_output.matcher, at, list(d)))
+            if not r.structured_output.gated:
+                items.append((r.structured_output.matcher, at, list(d)))
             at += 1 + len(d)
-        self._fill_executor.unsafe_compute_mask_ptr_with_draft_token(
-            items, bitmask.data_ptr(), self.bitmask_width * 4, num_rows
-        )
+        if items:
+            self._fill_executor.unsafe_compute_mask_ptr_with_draft_token(
+                items, bitmask.data_ptr(), self.bitmask_width * 4, num_rows
+            )
         return bitmask
 
     @staticmethod
     def validate_drafts(request: Any, drafts: list[int]) -> list[int]:
-        """The leading drafts the request's grammar allows (a draft past them could never be accepted)."""
-        return drafts[: request.structured_output.matcher.validate_tokens(drafts)]
+        """The leading drafts the request's grammar allows (a draft past them could never be accepted); while
+        gated, those before the one that would start the grammar."""
+        so = request.structured_output
+        if so.gated:
+            return drafts[: so.gated_drafts(drafts)]
+        return drafts[: so.matcher.validate_tokens(drafts)]
 
     def shutdown(self) -> None:
         if self._compile_thread is not None:

@@ -9,6 +9,7 @@ a named function only that function's arguments.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -208,6 +209,11 @@ class OpenAIServingChat(OpenAIServing):
             continue_final_message=request.continue_final_message,
             **template_kwargs,
         )
+        think = self.think_state(token_ids)
+        gated = self.reasoning_parser is not None and not self.enable_in_reasoning and think != "content"
+        if constraint is not None and gated:
+            # the constraint is on the answer: it starts after the think block (vLLM's default)
+            constraint = dataclasses.replace(constraint, start_after=self.reasoning_parser.end)
 
         max_tokens_param = (
             "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
@@ -224,7 +230,6 @@ class OpenAIServingChat(OpenAIServing):
             raise
         self.check_context(len(token_ids), params, max_tokens_param)
         await self.validate_constraint(constraint, field)
-        think = self.think_state(token_ids)
 
         request_id = random_id("chatcmpl")
         (stream,) = await self.add_requests(request_id, [token_ids], params)
