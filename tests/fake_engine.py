@@ -157,8 +157,11 @@ class FakeEngine:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         self._check_thread()
+        if priority != 0:  # as LLMEngine's default fcfs policy
+            raise InputError("priority needs --scheduling-policy priority", param="priority")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InputError("prompt must not be empty", param="prompt")

@@ -115,12 +115,13 @@ class AsyncEngine(EngineClientBase):
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Queue a request; raises what engine.add_request raises (InputError) here, in the caller."""
         self._check_accepting()
         stream = _Stream(loop=asyncio.get_running_loop())
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._commands.put(("add", (request_id, prompt, params, arrival_time, stream, done)))
+        self._commands.put(("add", (request_id, prompt, params, arrival_time, priority, stream, done)))
         await asyncio.wrap_future(done)
         return RequestStream(self, request_id, stream.queue)
 
@@ -231,12 +232,14 @@ class AsyncEngine(EngineClientBase):
 
     def _apply(self, kind: str, arg: Any) -> None:
         if kind == "add":
-            request_id, prompt, params, arrival_time, stream, done = arg
+            request_id, prompt, params, arrival_time, priority, stream, done = arg
             try:
                 if request_id in self._streams:
                     raise ValueError(f"request id {request_id!r} is already in flight")
                 self._check_queue(params)
-                self.engine.add_request(request_id, prompt, params, arrival_time=arrival_time)
+                self.engine.add_request(
+                    request_id, prompt, params, arrival_time=arrival_time, priority=priority
+                )
             except Exception as e:  # InputError and friends go back to the caller of add_request
                 done.set_exception(e)
                 return

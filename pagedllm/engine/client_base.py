@@ -103,6 +103,7 @@ class EngineClientBase(ABC):
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> RequestStream: ...
 
     @abstractmethod

@@ -115,10 +115,10 @@ class ReplicaWorker:
         }
 
     async def add_request(
-        self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None
+        self, request_id: str, prompt: Any, params: SamplingParams, arrival_time: float | None, priority: int
     ) -> tuple[str, str, str | None] | None:
         try:
-            stream = await self.engine.add_request(request_id, prompt, params, arrival_time)
+            stream = await self.engine.add_request(request_id, prompt, params, arrival_time, priority)
         except InputError as e:
             return ("InputError", str(e), e.param)
         except (EngineBusyError, EngineClosedError, ValueError) as e:
@@ -180,6 +180,7 @@ class _Request:
     token_ids: list[int]
     params: SamplingParams
     arrival_time: float | None
+    priority: int
     queue: asyncio.Queue
     timing: RequestTiming
     replica: int = -1
@@ -377,6 +378,7 @@ class DataParallelEngine(EngineClientBase):
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Route and queue a request; raises InputError / EngineBusyError / EngineClosedError here."""
         self._check_accepting()
@@ -390,6 +392,7 @@ class DataParallelEngine(EngineClientBase):
             token_ids=token_ids,
             params=params,
             arrival_time=arrival_time,
+            priority=priority,
             queue=asyncio.Queue(),
             timing=RequestTiming(arrival=time.monotonic()),
         )
@@ -496,7 +499,11 @@ class DataParallelEngine(EngineClientBase):
                 actor = self._actors[replica]
                 try:
                     error = await actor.add_request.remote(
-                        request.request_id, request.prompt, request.params, request.arrival_time
+                        request.request_id,
+                        request.prompt,
+                        request.params,
+                        request.arrival_time,
+                        request.priority,
                     )
                 except asyncio.CancelledError:
                     self._unassign(request)

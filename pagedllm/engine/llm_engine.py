@@ -19,6 +19,7 @@ from pagedllm import ops, planner, platform
 from pagedllm.attention.kv_quant import KV_QUANT_DTYPES, kv_cache_bytes_per_token, resolve_kv_cache_dtype
 from pagedllm.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request_queue import check_scheduling_policy
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.distributed.partition import head_shards
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
@@ -163,6 +164,7 @@ class LLMEngine:
         speculative_config: SpeculativeConfig | dict | str | None = None,
         tensor_parallel_size: int = 1,
         batch_invariant: bool = False,
+        scheduling_policy: str = "fcfs",
     ):
         """tensor_parallel_size: the model split over that many worker processes on this machine
         (executor/multiproc.py; gloo); 1 runs it in this process. Either way this process reads only the
@@ -181,6 +183,7 @@ class LLMEngine:
         ):
             if value is not None and value < 1:
                 raise InputError(f"{name} must be at least 1, got {value}", param=name)
+        check_scheduling_policy(scheduling_policy)
         self.dtype = resolve_dtype(dtype)
         kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         if kv_cache_memory is not None:
@@ -224,7 +227,9 @@ class LLMEngine:
         self.cache_config = CacheConfig(
             block_size, num_kv_blocks, kv_cache_dtype, enable_prefix_caching, window
         )
-        self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len)
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs, max_num_batched_tokens, self.max_model_len, scheduling_policy
+        )
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
         self.executor: Executor = make_executor(
             WorkerConfig(
@@ -306,8 +311,18 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
+        """priority: lower runs first under scheduling_policy "priority"; fcfs takes only 0 (vLLM's rule)."""
         params = params or SamplingParams()
+        if type(priority) is not int:
+            raise InputError(f"priority must be an integer, got {priority!r}", param="priority")
+        if priority != 0 and self.scheduler_config.policy != "priority":
+            raise InputError(
+                f"priority {priority} needs priority scheduling (--scheduling-policy priority); "
+                f"this engine schedules {self.scheduler_config.policy}",
+                param="priority",
+            )
         if request_id in self._groups:
             raise InputError(f"request_id {request_id!r} is already running", param="request_id")
         if isinstance(prompt, str):
@@ -353,6 +368,7 @@ class LLMEngine:
                 sampling_params=params,
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=now,
+                priority=priority,
                 group_id=request_id,
                 index=i,
                 seed=None if params.seed is None else (params.seed + i) % 2**64,  # a uint64 seed

@@ -101,8 +101,10 @@ class EngineClient(Protocol):
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> RequestStream:
-        """Queue a request and return its stream. Raises InputError, EngineBusyError, EngineClosedError,
+        """Queue a request and return its stream; priority: lower first under --scheduling-policy priority
+        (fcfs refuses anything but 0). Raises InputError, EngineBusyError, EngineClosedError,
         or ValueError for an id already in flight, here in the caller."""
         ...
 

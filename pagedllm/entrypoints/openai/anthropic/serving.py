@@ -104,7 +104,7 @@ def chat_tools(request: CountTokensRequest) -> dict[str, Any]:
     if tools:
         fields["tools"] = tools
     choice = request.tool_choice
-    if choice is None:
+    if choice is None or (not tools and choice.type in ("auto", "none")):  # nothing to choose from: no-op
         return fields
     if choice.type in ("any", "tool") and not tools:
         raise InputError(f"tool_choice {choice.type} needs tools", param="tool_choice")
