@@ -15,6 +15,10 @@ import openai
 import pytest
 from test_server import REQUEST_TIMEOUT_S, running_server
 
+from pagedllm.entrypoints.openai.protocol_responses import ResponseObject
+from pagedllm.entrypoints.openai.responses_store import ResponsesStore
+from pagedllm.entrypoints.openai.serving_responses import input_messages
+
 pytestmark = pytest.mark.slow
 
 
@@ -349,6 +353,7 @@ def test_max_output_tokens_gives_incomplete(client, server):
         ({"temperature": -1}, 400, "temperature"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, 400, "tool_choice"),
         ({"tool_choice": {"type": "web_search_preview"}}, 400, "tool_choice"),
+        ({"tool_choice": "required"}, 400, "tool_choice"),
         ({"model": "no-such-model"}, 404, "model"),
     ],
 )
@@ -357,7 +362,7 @@ def test_bad_inputs_get_openai_errors(server, body, status, param):
     r = httpx.post(server.url("/v1/responses"), json=request, headers=server.headers, timeout=60)
     assert r.status_code == status, r.text
     error = r.json()["error"]
-    assert error["param"] == param and error["message"]
+    assert error["param"] == param and param in error["message"]
 
 
 def test_bad_ids_and_the_server_serves_on(client, server):
@@ -366,5 +371,55 @@ def test_bad_ids_and_the_server_serves_on(client, server):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=server.model, input="Hi", tools=[{"type": "web_search"}])
     assert "web_search" in e.value.message
-    r = client.responses.create(model=server.model, input="Hello", max_output_tokens=2)
+    r = client.responses.create(model=server.model, input="Hello", max_output_tokens=2, tool_choice="auto")
     assert r.status in ("completed", "incomplete") and r.usage.output_tokens >= 1
+
+
+# ---------------------------------------------------------------------------------------------- no server
+
+
+def stored(i: int, text: str = "") -> ResponseObject:
+    return ResponseObject(id=f"resp_{i}", model="m", status="completed", instructions=text)
+
+
+def test_store_is_lru_bounded_in_entries_and_bytes():
+    store = ResponsesStore(max_entries=3, max_bytes=10_000)
+    for i in range(3):
+        store.put(stored(i), [{"role": "user", "content": "hi"}])
+    assert store.get("resp_0") is not None  # now the most recently used
+    store.put(stored(3), [])
+    assert store.get("resp_1") is None and len(store) == 3
+    assert [store.get(f"resp_{i}") is not None for i in (0, 2, 3)] == [True, True, True]
+    store.put(stored(4, "x" * 9_900), [])  # over the bytes bound: the older ones go, the newest stays
+    assert len(store) == 1 and store.get("resp_4") is not None
+    store.put(stored(5, "y" * 20_000), [])  # alone over the bound, still kept: it is the one to continue
+    assert len(store) == 1 and store.get("resp_5") is not None
+    assert store.delete("resp_5") and not store.delete("resp_5") and len(store) == 0
+
+
+def test_input_items_become_chat_messages():
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": '{"x": 1}'},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "function_call_output", "call_id": "c1", "output": "one"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]},
+    ]  # fmt: skip
+    assert input_messages(items) == [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "a\nb"},
+        {
+            "role": "assistant",
+            "content": "Let me look.",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                {"id": "c2", "type": "function", "function": {"name": "g", "arguments": '{"x": 1}'}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "tool", "tool_call_id": "c2", "content": "two"},
+    ]
+    assert input_messages("hello") == [{"role": "user", "content": "hello"}]

@@ -327,7 +327,7 @@ def build_app(
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         return DetokenizeResponse(prompt=await asyncio.to_thread(detokenize_sync, request))
 
-    add_responses_routes(app, chat, _unless_disconnected, _errors)
+    add_responses_routes(app, chat, _unless_disconnected, _respond, _errors)
     add_anthropic_routes(app, chat, _unless_disconnected)
     add_pooling_routes(app, engine, pooling, served_model_names, TOKENIZER_ERRORS)
     add_ollama_routes(app, chat, completions, model_root=model_root, unless_disconnected=_unless_disconnected)

@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from pagedllm.entrypoints.openai.errors import APIError
@@ -48,6 +47,7 @@ CHAT_TO_RESPONSES = {
     "chat_template_kwargs": "reasoning",
     "structured_outputs": "structured_outputs",
 }
+NOT_STORED = "no such stored response (never stored, store false, deleted, or evicted from the store)"
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 # Server-sent events of a streamed response: `event: <type>` then `data: <the event as JSON>`.
@@ -143,11 +143,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def output_messages(output: list[Any]) -> list[dict[str, Any]]:
     """A stored response's output items as the chat messages a continuation prepends."""
-    items = [item.model_dump() for item in output if not isinstance(item, ReasoningItem)]
-    for item in items:
-        if item["type"] == "message":
-            item["content"] = [{"type": "output_text", "text": part["text"]} for part in item["content"]]
-    return input_messages(items)
+    return input_messages([item.model_dump() for item in output])
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -170,7 +166,11 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     return out
 
 
-def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+def chat_tool_choice(
+    choice: str | dict[str, Any] | None, tools: list[dict[str, Any]] | None
+) -> str | dict[str, Any] | None:
+    if choice in ("auto", "none") and not tools:  # OpenAI accepts these without tools; the chat path not
+        return None
     if choice is None or isinstance(choice, str):
         return choice
     if choice.get("type") != "function":
@@ -184,15 +184,16 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
 
 def chat_response_format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
     """`text.format` as the chat API's response_format."""
-    kind = (fmt or {}).get("type", "text")
+    fmt = fmt or {}
+    kind = fmt.get("type", "text")
     if kind in ("text", "json_object"):
         return {"type": kind}
     if kind != "json_schema":
         raise InputError(f"text.format.type {kind!r} is not supported by this server", param="text.format")
-    schema = fmt.get("schema")  # type: ignore[union-attr]
+    schema = fmt.get("schema")
     if not isinstance(schema, dict):
         raise InputError("text.format.schema is required and must be an object", param="text.format")
-    json_schema = {"name": fmt.get("name") or "response", "schema": schema, "strict": fmt.get("strict")}  # type: ignore[union-attr]
+    json_schema = {"name": fmt.get("name") or "response", "schema": schema, "strict": fmt.get("strict")}
     return {"type": "json_schema", "json_schema": json_schema}
 
 
@@ -201,7 +202,10 @@ def _renamed(e: InputError) -> InputError:
     message = str(e)
     for chat_name, name in CHAT_TO_RESPONSES.items():
         message = message.replace(chat_name, name)
-    return InputError(message, param=CHAT_TO_RESPONSES.get(e.param or "", e.param))
+    param = CHAT_TO_RESPONSES.get(e.param or "", e.param)
+    if param == "max_output_tokens":  # SamplingParams' own name for it
+        message = message.replace("max_tokens", param)
+    return InputError(message, param=param)
 
 
 def chat_request(request: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
@@ -212,7 +216,7 @@ def chat_request(request: ResponsesRequest, messages: list[dict[str, Any]]) -> C
         "temperature": request.temperature,
         "top_p": request.top_p,
         "tools": chat_tools(request.tools),
-        "tool_choice": chat_tool_choice(request.tool_choice),
+        "tool_choice": chat_tool_choice(request.tool_choice, request.tools),
         "parallel_tool_calls": request.parallel_tool_calls,
         "response_format": chat_response_format(request.text.format if request.text else None),
         "stream": request.stream,
@@ -244,6 +248,7 @@ class _ResponseBuilder:
         self.response = response
         self.seq = 0
         self.output: list[Any] = []
+        self.index: dict[str, int] = {}  # item id -> output_index
         self.open: Any = None
         self.calls: dict[int, FunctionCallItem] = {}  # the chat tool call index -> its item
 
@@ -253,7 +258,7 @@ class _ResponseBuilder:
         return event
 
     def _where(self, item: Any, content: bool = True) -> dict[str, Any]:
-        where = {"item_id": item.id, "output_index": self.output.index(item)}
+        where = {"item_id": item.id, "output_index": self.index[item.id]}
         return {**where, "content_index": 0} if content else where
 
     def start(self) -> list[dict[str, Any]]:
@@ -265,12 +270,13 @@ class _ResponseBuilder:
 
     def _add(self, item: Any) -> list[dict[str, Any]]:
         events = self._close()
+        self.index[item.id] = len(self.output)
         self.output.append(item)
         self.open = item
         item.status = "in_progress"
         events.append(
             self._event(
-                "response.output_item.added", output_index=len(self.output) - 1, item=item.model_dump()
+                "response.output_item.added", output_index=self.index[item.id], item=item.model_dump()
             )
         )
         if not isinstance(item, FunctionCallItem):
@@ -302,9 +308,7 @@ class _ResponseBuilder:
             )
         item.status = status
         events.append(
-            self._event(
-                "response.output_item.done", output_index=self.output.index(item), item=item.model_dump()
-            )
+            self._event("response.output_item.done", output_index=self.index[item.id], item=item.model_dump())
         )
         return events
 
@@ -390,12 +394,12 @@ class OpenAIServingResponses:
     def retrieve(self, response_id: str) -> ResponseObject:
         entry = self.store.get(response_id)
         if entry is None:
-            raise APIError(f"Response with id {response_id!r} not found.", status=404, param="response_id")
+            raise APIError(f"response {response_id!r}: {NOT_STORED}", status=404, param="response_id")
         return entry.response
 
     def delete(self, response_id: str) -> DeletedResponse:
         if not self.store.delete(response_id):
-            raise APIError(f"Response with id {response_id!r} not found.", status=404, param="response_id")
+            raise APIError(f"response {response_id!r}: {NOT_STORED}", status=404, param="response_id")
         return DeletedResponse(id=response_id)
 
     async def create_response(self, request: ResponsesRequest) -> ResponseObject | AsyncIterator[str]:
@@ -406,7 +410,7 @@ class OpenAIServingResponses:
             entry = self.store.get(request.previous_response_id)
             if entry is None:
                 raise APIError(
-                    f"Previous response with id {request.previous_response_id!r} not found.",
+                    f"previous_response_id {request.previous_response_id!r}: {NOT_STORED}",
                     status=404,
                     param="previous_response_id",
                 )
@@ -502,12 +506,13 @@ def add_responses_routes(
     app: FastAPI,
     chat: OpenAIServingChat,
     unless_disconnected: Callable[[Request, Awaitable[Any]], Awaitable[Any]],
+    respond: Callable[[Any], Response],
     errors: Callable[..., dict[int | str, dict[str, Any]]],
     store: ResponsesStore | None = None,
 ) -> None:
-    """The routes on `app`. unless_disconnected and errors are server.py's: the first cancels a generation
-    whose client left, the second documents error statuses (this module cannot import server.py, which
-    imports it; run as `python -m`, it would even be a second copy)."""
+    """The routes on `app`. The callables are server.py's: unless_disconnected cancels a generation whose
+    client left, respond makes the JSON or event-stream response, errors documents error statuses (this
+    module cannot import server.py, which imports it; run as `python -m`, it would even be a second copy)."""
     serving = OpenAIServingResponses(chat, store or ResponsesStore())
     app.state.responses = serving
 
@@ -519,12 +524,7 @@ def add_responses_routes(
     async def create_response(request: ResponsesRequest, raw: Request) -> Response:
         """OpenAI's Responses API; streamed as `event:` / `data:` server-sent events (no [DONE])."""
         result = await unless_disconnected(raw, serving.create_response(request))
-        if isinstance(result, Response):
-            return result
-        if isinstance(result, AsyncIterator):
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(result, media_type="text/event-stream", headers=headers)
-        return JSONResponse(result.model_dump())
+        return result if isinstance(result, Response) else respond(result)
 
     @app.get("/v1/responses/{response_id}", responses=errors(400, 401, 404, 503))
     async def retrieve_response(response_id: str, stream: bool = False) -> ResponseObject:
