@@ -18,7 +18,7 @@ from test_server import REQUEST_TIMEOUT_S, ServerInfo, running_server
 
 pytestmark = pytest.mark.slow
 
-GREEDY = {"temperature": 0, "num_predict": 24}
+GREEDY = {"temperature": 0, "num_predict": 12}
 COLORS = [{"role": "user", "content": "Name three colors."}]
 WEATHER = {
     "type": "function",
@@ -124,7 +124,9 @@ def test_generate_streamed_raw_context_and_length(server: ServerInfo, client: ol
     assert chunks[-1].context == whole.context
     # the context is the templated prompt and the answer, as token ids: a next turn continues after it
     assert len(whole.context) >= whole.prompt_eval_count + 1
-    after = client.generate("default", prompt="And of Italy?", context=whole.context, options=GREEDY)
+    after = client.generate(
+        "default", prompt="And of Italy?", context=whole.context, options={"num_predict": 2}
+    )
     assert after.prompt_eval_count > len(whole.context) and after.response
     # raw: the prompt as it is, no template (so fewer tokens than templated)
     raw = client.generate("default", prompt=prompt, raw=True, options={"temperature": 0, "num_predict": 4})
@@ -171,7 +173,7 @@ def test_tool_call_and_tool_history(client: ollama.Client) -> None:
         {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "content": '{"temperature": 21, "sky": "clear"}', "tool_name": "get_weather"},
     ]  # fmt: skip
-    answer = client.chat("default", messages=history, tools=[WEATHER], options=GREEDY)
+    answer = client.chat("default", messages=history, tools=[WEATHER], options={"num_predict": 2})
     assert answer.done and answer.prompt_eval_count > r.prompt_eval_count
 
 
@@ -192,7 +194,7 @@ def test_options_load_and_num_ctx(server: ServerInfo, client: ollama.Client) -> 
         client.chat("default", messages=COLORS, options={"num_ctx": n})
     assert e.value.status_code == 400 and "options.num_ctx" in e.value.error
     # a seed makes sampling repeat
-    seeded = [client.chat("default", messages=COLORS, options={"seed": 7, "num_predict": 12}).message.content
+    seeded = [client.chat("default", messages=COLORS, options={"seed": 7, "num_predict": 6}).message.content
               for _ in range(2)]  # fmt: skip
     assert seeded[0] == seeded[1]
 
@@ -211,7 +213,9 @@ def test_options_load_and_num_ctx(server: ServerInfo, client: ollama.Client) -> 
         ("/api/chat", {"model": "default", "messages": COLORS, "format": {"type": "nope"}}, 400, "format"),
         ("/api/chat", {"model": "default", "messages": [{"role": "robot", "content": "hi"}]}, 400, "role"),
         ("/api/chat", {"model": "default", "messages": COLORS, "think": True}, 400, "thinking"),
-        ("/api/chat", {"model": "default", "messages": COLORS, "logprobs": True}, 400, "logprobs"),
+        ("/api/chat", {"model": "default", "messages": COLORS, "top_logprobs": 2}, 400, "top_logprobs"),
+        ("/api/generate", {"model": "default", "prompt": "x", "logprobs": True, "top_logprobs": 21}, 400,
+         "top_logprobs"),
         ("/api/chat", {"model": "default", "messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]},
          400, "images"),
         ("/api/chat", {"messages": COLORS}, 400, "model"),
@@ -240,3 +244,23 @@ def test_errors_through_the_client_and_server_serves_on(server: ServerInfo, clie
     r = httpx.post(server.url("/api/chat"), content=b"{not json", headers=server.headers, timeout=30)
     assert r.status_code == 400 and "error" in r.json()
     assert_serves(client)
+
+
+def test_logprobs_streamed_and_not(client: ollama.Client) -> None:
+    opts = {"temperature": 0, "num_predict": 6}
+    whole = client.chat("default", messages=COLORS, options=opts, logprobs=True, top_logprobs=3)
+    assert len(whole.logprobs) == whole.eval_count
+    assert "".join(lp.token for lp in whole.logprobs) == whole.message.content
+    for lp in whole.logprobs:  # greedy: each token is its position's most likely one
+        assert len(lp.top_logprobs) == 3 and lp.top_logprobs[0].token == lp.token
+        assert lp.logprob == pytest.approx(lp.top_logprobs[0].logprob) and lp.logprob <= 0
+    chunks = list(
+        client.chat("default", messages=COLORS, options=opts, logprobs=True, top_logprobs=3, stream=True)
+    )
+    streamed = [lp for c in chunks for lp in c.logprobs or []]
+    assert [(lp.token, round(lp.logprob, 4)) for lp in streamed] == [
+        (lp.token, round(lp.logprob, 4)) for lp in whole.logprobs
+    ]
+    gen = client.generate("default", prompt="The capital of France is", raw=True, options=opts, logprobs=True)
+    assert len(gen.logprobs) == gen.eval_count and "".join(lp.token for lp in gen.logprobs) == gen.response
+    assert all(lp.top_logprobs is None for lp in gen.logprobs)

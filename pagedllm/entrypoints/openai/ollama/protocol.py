@@ -98,8 +98,23 @@ class OllamaResponseMessage(BaseModel):
     tool_calls: list[OllamaToolCall] | None = None
 
 
+class OllamaTokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class OllamaLogprob(OllamaTokenLogprob):
+    """One generated token's log-probability and, with top_logprobs, the most likely tokens there."""
+
+    top_logprobs: list[OllamaTokenLogprob] | None = None
+
+
 class OllamaMetrics(BaseModel):
-    """Ollama's timings, all in nanoseconds, and token counts; on the last (done) chunk only."""
+    """Ollama's timings, all in nanoseconds, and token counts; on the last (done) chunk only. logprobs: the
+    chunk's tokens' (with logprobs true)."""
+
+    logprobs: list[OllamaLogprob] | None = None
 
     total_duration: int | None = None
     load_duration: int | None = None

@@ -27,8 +27,10 @@ from pagedllm.entrypoints.openai.ollama.protocol import (
     OllamaChatResponse,
     OllamaGenerateRequest,
     OllamaGenerateResponse,
+    OllamaLogprob,
     OllamaMessage,
     OllamaResponseMessage,
+    OllamaTokenLogprob,
     OllamaToolCall,
     OllamaToolCallFunction,
     now_ns,
@@ -44,6 +46,7 @@ from pagedllm.entrypoints.openai.protocol import ToolCall as OpenAIToolCall
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.errors import InputError
+from pagedllm.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -97,6 +100,29 @@ def done_reason(finish_reason: str | None) -> str:
     return "length" if finish_reason == "length" else "stop"
 
 
+def completion_logprobs(lp: dict[str, Any] | None, top: int) -> list[OllamaLogprob]:
+    """OpenAI's completion logprobs (parallel lists; top alternatives as a dict, the sampled token added)
+    -> Ollama's entries, the alternatives most likely first."""
+    if not lp:
+        return []
+    out = []
+    for token, logprob, alternatives in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        ranked = sorted((alternatives or {}).items(), key=lambda kv: -kv[1])[:top]
+        out.append(
+            OllamaLogprob(
+                token=token,
+                logprob=logprob,
+                bytes=list(token.encode()),
+                top_logprobs=[
+                    OllamaTokenLogprob(token=t, logprob=v, bytes=list(t.encode())) for t, v in ranked
+                ]
+                if top
+                else None,
+            )
+        )
+    return out
+
+
 def ndjson(chunk: BaseModel) -> str:
     return chunk.model_dump_json(exclude_none=True) + "\n"
 
@@ -127,6 +153,7 @@ class Turn:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[OllamaLogprob] = field(default_factory=list)
 
     def saw_output(self) -> None:
         if self.first_token_ns is None:
@@ -142,6 +169,16 @@ class Turn:
             "prompt_eval_duration": max(first - self.queued_ns, 0),
             "eval_count": self.completion_tokens,
             "eval_duration": max(end - first, 0),
+        }
+
+    def done_fields(self, fold: bool) -> dict[str, Any]:
+        """What the done chunk carries: why it ended, the timings and, folded, every token's logprobs."""
+        logprobs = (self.logprobs or None) if fold else None
+        return {
+            "done": True,
+            "done_reason": done_reason(self.finish_reason),
+            "logprobs": logprobs,
+            **self.metrics(),
         }
 
     def take_usage(self, chunk: dict[str, Any]) -> None:
@@ -195,9 +232,10 @@ class OllamaServing:
         unknown = request.unknown_fields()
         if unknown:
             logger.info("ignoring unknown Ollama request fields: %s", ", ".join(unknown))
-        if request.logprobs or request.top_logprobs:
-            param = "logprobs" if request.logprobs else "top_logprobs"
-            raise InputError(f"{param} is not supported by this server's Ollama API", param=param)
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_LOGPROBS:
+            raise InputError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}", param="top_logprobs")
+        if request.top_logprobs and not request.logprobs:
+            raise InputError("top_logprobs requires logprobs to be true", param="top_logprobs")
         # keep_alive: how long Ollama keeps a model loaded after the request; this server's model stays
         # loaded while it runs, which any keep_alive is satisfied by (0 asks for an unload, which a server
         # of one model has no use for), so it is accepted and has nothing to do
@@ -278,6 +316,8 @@ class OllamaServing:
             "max_tokens": max_tokens,
             "response_format": format_field(request.format),
             "chat_template_kwargs": template_kwargs or None,
+            "logprobs": bool(request.logprobs),
+            "top_logprobs": request.top_logprobs if request.logprobs else None,
             "stream": True,
             "stream_options": {"include_usage": True},
             **sampling.fields,
@@ -314,11 +354,18 @@ class OllamaServing:
                     if text or thinking or delta.get("tool_calls") or choice.get("finish_reason"):
                         turn.saw_output()
                     turn.finish_reason = choice.get("finish_reason") or turn.finish_reason
-                    if text or thinking:
+                    # OpenAI's chat logprobs entries have Ollama's shape already
+                    logprobs = [
+                        OllamaLogprob(**e) for e in (choice.get("logprobs") or {}).get("content") or []
+                    ]
+                    turn.logprobs += logprobs
+                    if text or thinking or logprobs:
                         turn.text.append(text)
                         turn.thinking.append(thinking)
                         message = OllamaResponseMessage(content=text, thinking=thinking or None)
-                        yield OllamaChatResponse(model=model, message=message, done=False)
+                        yield OllamaChatResponse(
+                            model=model, message=message, done=False, logprobs=logprobs or None
+                        )
         turn.end_ns = now_ns()
         calls = turn.tool_calls()
         if calls:
@@ -332,13 +379,7 @@ class OllamaServing:
             message = OllamaResponseMessage(
                 content="".join(turn.text), thinking=thinking or None, tool_calls=turn.tool_calls()
             )
-        return OllamaChatResponse(
-            model=model,
-            message=message,
-            done=True,
-            done_reason=done_reason(turn.finish_reason),
-            **turn.metrics(),
-        )
+        return OllamaChatResponse(model=model, message=message, **turn.done_fields(fold))
 
     # ------------------------------------------------------------------ /api/generate
 
@@ -388,6 +429,7 @@ class OllamaServing:
             "prompt": prompt,
             "max_tokens": self.context_cap(sampling, len(prompt)),
             "response_format": format_field(request.format),
+            "logprobs": (request.top_logprobs or 0) if request.logprobs else None,
             "stream": True,
             "stream_options": {"include_usage": True},
             **sampling.fields,
@@ -399,13 +441,13 @@ class OllamaServing:
         except ValidationError as e:
             raise validation_error(e, "options") from None
         turn = Turn(start_ns=start, queued_ns=now_ns())
-        chunks = self._generate_chunks(inner, turn, request.model)
+        chunks = self._generate_chunks(inner, turn, request.model, request.top_logprobs or 0)
         return await self._respond(
             request.stream, chunks, lambda fold: self._generate_done(request.model, turn, prompt, fold)
         )
 
     async def _generate_chunks(
-        self, inner: AsyncIterator[str], turn: Turn, model: str
+        self, inner: AsyncIterator[str], turn: Turn, model: str, top: int
     ) -> AsyncIterator[OllamaGenerateResponse]:
         async with aclosing(inner):
             async for chunk in openai_chunks(inner):
@@ -415,9 +457,13 @@ class OllamaServing:
                     if text or choice.get("finish_reason"):
                         turn.saw_output()
                     turn.finish_reason = choice.get("finish_reason") or turn.finish_reason
-                    if text:
+                    logprobs = completion_logprobs(choice.get("logprobs"), top)
+                    turn.logprobs += logprobs
+                    if text or logprobs:
                         turn.text.append(text)
-                        yield OllamaGenerateResponse(model=model, response=text, done=False)
+                        yield OllamaGenerateResponse(
+                            model=model, response=text, done=False, logprobs=logprobs or None
+                        )
         turn.end_ns = now_ns()
 
     def _generate_done(self, model: str, turn: Turn, prompt: list[int], fold: bool) -> OllamaGenerateResponse:
@@ -426,12 +472,7 @@ class OllamaServing:
         # ran; the text is encoded again here, which gives the same text back)
         context = prompt + self.completions.tokenizer.encode(text, add_special_tokens=False)
         return OllamaGenerateResponse(
-            model=model,
-            response=text if fold else "",
-            done=True,
-            done_reason=done_reason(turn.finish_reason),
-            context=context,
-            **turn.metrics(),
+            model=model, response=text if fold else "", context=context, **turn.done_fields(fold)
         )
 
     # ------------------------------------------------------------------ streamed or folded
