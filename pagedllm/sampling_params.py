@@ -50,6 +50,9 @@ class StructuredOutputsParams:
     # the constraint applies only once the output has contained this text (a reasoning model's </think>:
     # the think block before it is free); None: from the first token
     start_after: str | None = None
+    # with start_after: the most tokens before it; once they are spent the output is made to write it
+    # (a reasoning budget); None: no bound
+    start_after_budget: int | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -75,6 +78,15 @@ class StructuredOutputsParams:
             raise InputError("structured_outputs.json must be a JSON schema object", param="json")
         if self.start_after is not None and (not isinstance(self.start_after, str) or not self.start_after):
             raise InputError("structured_outputs.start_after must be a non-empty string", param="start_after")
+        if self.start_after_budget is not None and (
+            self.start_after is None
+            or not isinstance(self.start_after_budget, int)
+            or self.start_after_budget < 0
+        ):
+            raise InputError(
+                "structured_outputs.start_after_budget must be an integer >= 0, with start_after",
+                param="start_after_budget",
+            )
 
     @property
     def kind(self) -> str:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+import torch
 import uvicorn
 from test_server import API_KEY, REQUEST_TIMEOUT_S, ServerInfo, free_port, wait_healthy
 
@@ -336,9 +337,10 @@ def test_constraint_starts_after_the_think_block(engine: AsyncEngine) -> None:
     manager.shutdown()
 
 
-def allowed_tokens(row, vocab_size: int) -> list[int]:
+def allowed_tokens(row: torch.Tensor, vocab_size: int) -> list[int]:
     """The token ids a bitmask row allows (bit t % 32 of word t // 32)."""
-    return [t for t in range(vocab_size) if (int(row[t // 32]) >> (t % 32)) & 1]
+    bits = (row.long().unsqueeze(-1) >> torch.arange(32)) & 1
+    return bits.flatten()[:vocab_size].nonzero().flatten().tolist()
 
 
 @pytest.mark.slow
@@ -374,3 +376,96 @@ def test_chat_constraint_applies_after_the_think_block(engine: AsyncEngine, gate
             )
     assert re.fullmatch("[0-9]{3}", r.choices[0].message.model_extra["reasoning_content"])
     assert r.choices[0].message.content is None
+
+
+@pytest.mark.slow
+def test_budget_forces_the_tag(engine: AsyncEngine) -> None:
+    """start_after_budget=2: two free tokens, then each row allows only the next token of </think> (after
+    the part the output already ends with), and no draft reaches past the budget."""
+    tok = engine.tokenizer
+    manager = StructuredOutputManager(tok.hf, engine.model_config.vocab_size, [tok.hf.eos_token_id])
+    vocab = engine.model_config.vocab_size
+    params = StructuredOutputsParams(regex="[0-9]{3}", start_after="</think>", start_after_budget=2)
+
+    class Req:
+        structured_output = manager.request(params)
+
+    so = Req.structured_output
+    so.future.result(timeout=60)
+    assert so.is_ready
+    hello, lt = (
+        tok.encode("Hello", add_special_tokens=False)[0],
+        tok.encode(" <", add_special_tokens=False)[0],
+    )
+    assert manager.validate_drafts(Req, [hello, hello, hello]) == [hello]  # rows 0 and 1 are within budget
+    for t in (hello, lt):  # " <": the output now ends with the tag's first byte
+        assert (manager.grammar_bitmask([Req]) == -1).all()
+        assert so.accept_token(t)
+    assert manager.validate_drafts(Req, [hello]) == []
+    forced = []
+    while so.gated:
+        allowed = allowed_tokens(manager.grammar_bitmask([Req])[0], vocab)
+        assert len(allowed) == 1
+        forced += allowed
+        assert so.accept_token(allowed[0])
+    assert tok.decode(forced) == "/think>"  # the rest of the tag, "<" already written
+    digits = allowed_tokens(manager.grammar_bitmask([Req])[0], vocab)
+    assert digits and all(re.fullmatch("[0-9]", tok.decode([t])) for t in digits)
+    manager.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_max_reasoning_tokens(engine: AsyncEngine, gated_server: ServerInfo, stream: bool) -> None:
+    """deepseek_r1 on a model that never closes the block by itself: max_reasoning_tokens=6 closes it after
+    six tokens, and the model answers after it; without the budget all of it is reasoning."""
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    with openai.OpenAI(base_url=gated_server.url("/v1"), api_key=API_KEY, max_retries=0) as client:
+
+        def reply(**body):
+            r = client.chat.completions.create(
+                model="default", messages=ask, temperature=0, max_tokens=24, extra_body=body, stream=stream
+            )
+            if not stream:
+                m = r.choices[0].message
+                return m.model_extra["reasoning_content"], m.content
+            deltas = [c.choices[0].delta for c in r if c.choices]
+            return "".join(reasoning_of(d) for d in deltas), "".join(d.content or "" for d in deltas) or None
+
+        reasoning, content = reply(max_reasoning_tokens=6)
+        assert len(engine.tokenizer.encode(reasoning, add_special_tokens=False)) <= 6
+        assert reasoning and content  # the block was closed, and an answer followed
+        free, none = reply()
+        assert none is None and free.startswith(reasoning)  # greedy: the same first tokens, never closed
+        with pytest.raises(openai.BadRequestError, match="max_reasoning_tokens"):
+            reply(max_reasoning_tokens=-1)
+
+
+@pytest.mark.slow
+def test_budget_refusals_and_no_parser(
+    engine: AsyncEngine, client: openai.OpenAI, server: ServerInfo
+) -> None:
+    """A budget with a constraint over the think block (enable_in_reasoning) is refused by name, and so is
+    a budget without a parser; without a parser the think block stays in the content, streamed or not."""
+    body = {"structured_outputs": {"regex": "<think>" + THINK + "</think>" + ANSWER}}
+    with pytest.raises(openai.BadRequestError, match="max_reasoning_tokens cannot be combined") as e:
+        client.chat.completions.create(
+            model="default", messages=ASK, max_tokens=8, extra_body={**body, "max_reasoning_tokens": 4}
+        )
+    assert e.value.body["param"] == "max_reasoning_tokens"
+    with (
+        serve(engine) as plain,
+        openai.OpenAI(base_url=plain.url("/v1"), api_key=API_KEY, max_retries=0) as c,
+    ):
+        with pytest.raises(openai.BadRequestError, match="needs a server started with --reasoning-parser"):
+            c.chat.completions.create(model="default", messages=ASK, extra_body={"max_reasoning_tokens": 4})
+        r = c.chat.completions.create(
+            model="default", messages=ASK, temperature=0, max_tokens=80, extra_body=body
+        )
+        assert r.choices[0].message.model_extra["reasoning_content"] is None
+        assert r.choices[0].message.content.startswith("<think>")
+        deltas = [ch.choices[0].delta for ch in c.chat.completions.create(
+            model="default", messages=ASK, temperature=0, max_tokens=80, extra_body=body, stream=True
+        ) if ch.choices]  # fmt: skip
+        assert not any(reasoning_of(d) for d in deltas)
+        assert "".join(d.content or "" for d in deltas) == r.choices[0].message.content

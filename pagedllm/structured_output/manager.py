@@ -13,7 +13,9 @@ A constraint with start_after (a reasoning model's </think>) waits for that text
 contained it the request is "gated", its row allows every token and its matcher does not move (vLLM's
 structured outputs wait for the reasoning end the same way). The text is looked for in the tokens' bytes,
 so a tag that spans several tokens counts too; the grammar starts with the token after the one that
-completed the tag (text that token has after the tag is not constrained).
+completed the tag (text that token has after the tag is not constrained). With start_after_budget, once
+that many tokens have gone by gated, each row allows only the next token of the tag's rest (a reasoning
+budget: the think block is closed for the model).
 """
 
 from __future__ import annotations
@@ -46,12 +48,15 @@ class StructuredOutputRequest:
         compiled: Future,
         start_after: str | None = None,
         tokenizer: Callable[[], llguidance.LLTokenizer] | None = None,
+        budget: int | None = None,
     ):
         self._compiled = compiled
         self.matcher: llguidance.LLMatcher | None = None
         self._gate = start_after.encode() if start_after else None  # None once passed (or never set)
         self._gate_tail = b""  # the output's last bytes while gated: a tag may span tokens
         self._tokenizer = tokenizer  # for the tokens' bytes; built by the compile the request waited for
+        self._budget = budget  # tokens the gate stays open to the model; then the tag is forced
+        self._num_gated = 0  # tokens taken while gated
 
     @property
     def gated(self) -> bool:
@@ -70,11 +75,23 @@ class StructuredOutputRequest:
         """How many leading drafts keep the request gated: a draft that would open the gate is not
         proposed, so that every row of a gated request's step is free."""
         tail = self._gate_tail
+        if self._budget is not None:  # no row of the step may come after the budget is spent
+            drafts = drafts[: max(0, self._budget - self._num_gated - 1)]
         for n, token_id in enumerate(drafts):
             opened, tail = self._scan_gate(tail, token_id)
             if opened:
                 return n
         return len(drafts)
+
+    def forced_token(self) -> int | None:
+        """The token a gated request must take next because its budget is spent (the next token of the
+        tag's rest, after the part the output already ends with); None when free."""
+        if self._gate is None or self._budget is None or self._num_gated < self._budget:
+            return None
+        gate, tail = self._gate, self._gate_tail
+        done = next((k for k in range(min(len(gate) - 1, len(tail)), 0, -1) if tail.endswith(gate[:k])), 0)
+        assert self._tokenizer is not None
+        return self._tokenizer().tokenize_bytes(gate[done:])[0]
 
     @property
     def is_ready(self) -> bool:
@@ -101,6 +118,7 @@ class StructuredOutputRequest:
         an error state, and its mask allows only EOS)."""
         assert self.matcher is not None, "a request samples only once its grammar is ready"
         if self._gate is not None:
+            self._num_gated += 1
             opened, self._gate_tail = self._scan_gate(self._gate_tail, token_id)
             if opened:
                 self._gate = None
@@ -155,7 +173,9 @@ class StructuredOutputManager:
                     self._compiled.popitem(last=False)
             else:
                 self._compiled.move_to_end(key)
-        return StructuredOutputRequest(future, params.start_after, self.ll_tokenizer)
+        return StructuredOutputRequest(
+            future, params.start_after, self.ll_tokenizer, params.start_after_budget
+        )
 
     def _compile(self, grammar: str) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self.ll_tokenizer(), grammar, log_level=0)
@@ -198,17 +218,31 @@ class StructuredOutputManager:
                 self._fill_executor.unsafe_compute_mask_ptr(
                     matchers, bitmask.data_ptr(), self.bitmask_width * 4, num_rows
                 )
+            self._force_rows(bitmask, requests, range(len(requests)))
             return bitmask
-        items, at = [], 0
+        items, at, starts = [], 0, []
         for r, d in zip(requests, drafts):
             if not r.structured_output.gated:
                 items.append((r.structured_output.matcher, at, list(d)))
+            starts.append(at)
             at += 1 + len(d)
         if items:
             self._fill_executor.unsafe_compute_mask_ptr_with_draft_token(
                 items, bitmask.data_ptr(), self.bitmask_width * 4, num_rows
             )
+        self._force_rows(bitmask, requests, starts)
         return bitmask
+
+    @staticmethod
+    def _force_rows(bitmask: torch.Tensor, requests: Sequence[Any], rows: Sequence[int]) -> None:
+        """A gated request whose budget is spent may take only its forced token (its drafts stop before)."""
+        for r, row in zip(requests, rows):
+            token_id = r.structured_output.forced_token()
+            if token_id is not None:
+                bitmask[row] = 0
+                # bit 31 of an int32 word is its sign: set it through the word's int64 value
+                word = int(bitmask[row, token_id // 32]) | (1 << (token_id % 32))
+                bitmask[row, token_id // 32] = word - (1 << 32) if word >= 1 << 31 else word
 
     @staticmethod
     def validate_drafts(request: Any, drafts: list[int]) -> list[int]:

@@ -497,6 +497,8 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False  # the last (assistant) message is continued, not closed
     add_special_tokens: bool = False  # the chat template already has the special tokens it wants
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    # with --reasoning-parser: the most tokens of the think block, after which it is closed for the model
+    max_reasoning_tokens: int | None = Field(None, ge=0)
     echo: bool | None = None
     documents: Any = None
     chat_template: str | None = None

@@ -47,6 +47,7 @@ from pagedllm.errors import InputError
 from pagedllm.sampling_params import StructuredOutputsParams, closed_schema
 
 ROLE = "assistant"
+ANY_TEXT = r"(?s:.*)"  # the answer's "constraint" when only a reasoning budget needs the gate
 # What the server passes to the chat template itself; chat_template_kwargs may not override them.
 TEMPLATE_ARGUMENTS = frozenset(
     {
@@ -146,6 +147,37 @@ class OpenAIServingChat(OpenAIServing):
             raise InputError(f"cannot apply the chat template: {e}", param="messages") from e
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def reasoning_constraint(
+        self,
+        request: ChatCompletionRequest,
+        think: ThinkState,
+        constraint: StructuredOutputsParams | None,
+        field: str | None,
+    ) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The constraint and its field as the think block changes them: a constraint applies to the answer,
+        after the block (vLLM's default; all of the output with enable_in_reasoning), and
+        max_reasoning_tokens closes the block for the model once spent (through the same gate, with a
+        constraint that allows any answer when the request has none)."""
+        budget, parser = request.max_reasoning_tokens, self.reasoning_parser
+        if budget is not None and parser is None:
+            raise InputError(
+                "max_reasoning_tokens needs a server started with --reasoning-parser",
+                param="max_reasoning_tokens",
+            )
+        if parser is None or think == "content":  # no parser, or the prompt turned thinking off
+            return constraint, field
+        if budget is None and (constraint is None or self.enable_in_reasoning):
+            return constraint, field
+        if constraint is None:
+            constraint, field = StructuredOutputsParams(regex=ANY_TEXT), "max_reasoning_tokens"
+        elif self.enable_in_reasoning:  # the constraint covers the block: the forced tag could break it
+            raise InputError(
+                f"max_reasoning_tokens cannot be combined with {field} when constraints cover the think block "
+                "(enable_in_reasoning)",
+                param="max_reasoning_tokens",
+            )
+        return dataclasses.replace(constraint, start_after=parser.end, start_after_budget=budget), field
+
     @staticmethod
     def tool_mode(request: ChatCompletionRequest) -> ToolMode:
         choice = request.tool_choice
@@ -210,10 +242,7 @@ class OpenAIServingChat(OpenAIServing):
             **template_kwargs,
         )
         think = self.think_state(token_ids)
-        gated = self.reasoning_parser is not None and not self.enable_in_reasoning and think != "content"
-        if constraint is not None and gated:
-            # the constraint is on the answer: it starts after the think block (vLLM's default)
-            constraint = dataclasses.replace(constraint, start_after=self.reasoning_parser.end)
+        constraint, field = self.reasoning_constraint(request, think, constraint, field)
 
         max_tokens_param = (
             "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
