@@ -36,6 +36,8 @@ class _Job:
 
 
 class AsyncPoolingEngine:
+    observer: StatsObserver | None  # set by the server; nothing to tell it (no tokens are generated)
+
     def __init__(self, engine: PoolingEngine, max_num_waiting: int | None = 256):
         self.engine = engine
         self.observer: StatsObserver | None = None
