@@ -207,6 +207,15 @@ def test_thinking_block_from_the_reasoning_parser_streamed_and_not(
     assert "".join(d.text for d in deltas if d.type == "text_delta") == answer
     assert [b.type for b in final.content] == ["thinking", "text"]
     assert (final.content[0].thinking, final.content[1].text) == (thinking, answer)
+    # a thinking budget is taken (max_reasoning_tokens on the chat path); this model writes no think block
+    budget = client.messages.create(
+        model=server.model,
+        max_tokens=8,
+        messages=ask,
+        thinking={"type": "enabled", "budget_tokens": 4},
+        **GREEDY,
+    )
+    assert budget.stop_reason in ("end_turn", "max_tokens") and budget.usage.output_tokens >= 1
 
 
 # ---------------------------------------------------------------------------------------------- tools
@@ -289,8 +298,9 @@ BAD = [
     ({"max_tokens": 4, "messages": COLORS, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}},
      "nope"),
     ({"max_tokens": 4, "messages": COLORS, "container": "c-1"}, "container"),
-    ({"max_tokens": 4, "messages": COLORS, "thinking": {"type": "enabled", "budget_tokens": 1024}},
-     "thinking.budget_tokens"),
+    # a budget with a constraint over the whole output (this server's enable_in_reasoning)
+    ({"max_tokens": 4, "messages": COLORS, "thinking": {"type": "enabled", "budget_tokens": 1024},
+      "structured_outputs": {"regex": "[a-z]+"}}, "thinking.budget_tokens"),
     ({"max_tokens": 4000, "messages": COLORS}, "context length"),
 ]  # fmt: skip
 

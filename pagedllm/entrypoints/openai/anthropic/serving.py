@@ -135,9 +135,7 @@ def chat_request(request: CountTokensRequest, model: str) -> ChatCompletionReque
         # Qwen3-style templates read enable_thinking; others ignore it
         template_kwargs["enable_thinking"] = request.thinking.type != "disabled"
         if request.thinking.budget_tokens is not None and request.thinking.type == "enabled":
-            if "max_reasoning_tokens" not in ChatCompletionRequest.model_fields:
-                raise InputError("thinking.budget_tokens is not supported by this server", param="thinking")
-            body["max_reasoning_tokens"] = request.thinking.budget_tokens
+            body["max_reasoning_tokens"] = request.thinking.budget_tokens  # needs --reasoning-parser
     if request.output_config is not None and request.output_config.format is not None:
         schema = {"name": "output", "schema": request.output_config.format.json_schema}
         body["response_format"] = {"type": "json_schema", "json_schema": schema}
@@ -221,16 +219,24 @@ class AnthropicServingMessages:
         )
         return len(tokens)
 
+    async def _create(self, chat: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+        try:
+            return await self.chat.create_chat_completion(chat)
+        except InputError as e:  # say the field the client sent
+            if e.param != "max_reasoning_tokens":
+                raise
+            raise InputError(str(e).replace(e.param, "thinking.budget_tokens"), param="thinking") from None
+
     async def create_message(self, request: MessagesRequest) -> MessagesResponse | AsyncIterator[str]:
         chat = chat_request(request, request.model)
         # disable_parallel_tool_use with auto: the chat path may parse several calls; keep the first
         single_call = not chat.parallel_tool_calls
         if not request.stream:
-            response = await self.chat.create_chat_completion(chat)
+            response = await self._create(chat)
             assert isinstance(response, ChatCompletionResponse)
             return message_from_chat(response, request.stop_sequences, single_call)
         # message_start carries the prompt's tokens before the chat stream (which gives them at its end)
         num_prompt_tokens = await self._count(chat)
-        chunks = await self.chat.create_chat_completion(chat)
+        chunks = await self._create(chat)
         assert not isinstance(chunks, ChatCompletionResponse)
         return message_events(chunks, request.model, num_prompt_tokens, request.stop_sequences, single_call)
