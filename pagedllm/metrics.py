@@ -81,7 +81,7 @@ def _engine_metrics(by_replica: Mapping[str | None, Any]) -> Iterator[Metric]:
     counters = [
         ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
         ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
-        ("num_preemptions", "Requests preempted to free KV-cache blocks.", "num_preemptions"),
+        ("num_preemptions", "Requests preempted (KV blocks short, or a higher priority).", "num_preemptions"),
     ]
     for kind, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
         for name, doc, attr in rows:

@@ -9,14 +9,23 @@ median low-priority one. No test measures time: the server test asserts on the o
 
 from __future__ import annotations
 
+import asyncio
 import random
+from collections.abc import Iterator
 
+import httpx
+import openai
 import pytest
 from test_scheduler import BS, FakeRunner, make_request, run_all, step, workload
+from test_server import ServerInfo, read_metrics, running_server, wait_until
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.async_engine import AsyncEngine
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.errors import InputError
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -191,3 +200,130 @@ def test_priorities_arrivals_and_memory_pressure_keep_every_output(seed):
     assert {k: r.output_token_ids for k, r in finished.items()} == expected
     assert sched.num_preemptions > 0
     assert sched.kv_cache_manager.num_free_blocks == 14
+
+
+# ---------------------------------------------------------------- the engine and the offline API (tiny model)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tiny_models import save_tiny_llama
+
+    return str(save_tiny_llama(tmp_path_factory.mktemp("priority") / "tiny"))
+
+
+def tiny_engine(path: str, policy: str, **kw) -> LLMEngine:
+    return LLMEngine(path, num_kv_blocks=64, show_progress=False, scheduling_policy=policy, **kw)
+
+
+def test_bad_policy_is_refused_before_loading():
+    with pytest.raises(InputError) as e:
+        LLMEngine("/nonexistent/model", scheduling_policy="lifo")
+    assert e.value.param == "scheduling_policy"
+
+
+@pytest.mark.slow
+def test_offline_generate_runs_by_priority(tiny: str):
+    llm = LLM(tiny, num_kv_blocks=64, show_progress=False, scheduling_policy="priority", max_num_seqs=1)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompts = [[1, 2, 3 + i] for i in range(4)]
+    outs = llm.generate(prompts, params, use_tqdm=False, priority=[3, 1, 2, 0])
+    assert [o.prompt_token_ids for o in outs] == prompts  # in input order, as always
+    ran = sorted(range(4), key=lambda i: outs[i].metrics.finished_time)
+    assert ran == [3, 1, 2, 0]  # one at a time, by priority
+    with pytest.raises(InputError) as e:
+        llm.generate(prompts, params, use_tqdm=False, priority=[0])
+    assert e.value.param == "priority"
+
+
+@pytest.mark.slow
+def test_fcfs_refuses_a_priority_by_name(tiny: str):
+    engine = tiny_engine(tiny, "fcfs")
+    engine.add_request("zero", [1, 2], SamplingParams(max_tokens=1), priority=0)  # 0 is fcfs's own
+    for bad in (1, -1, 1.5):
+        with pytest.raises(InputError) as e:
+            engine.add_request(f"p{bad}", [1, 2], SamplingParams(max_tokens=1), priority=bad)
+        assert e.value.param == "priority"
+    assert engine.scheduler.num_waiting == 1
+
+
+@pytest.fixture(scope="module")
+def fcfs_server(tiny: str) -> Iterator[str]:
+    """The real server app over a real engine (the tiny checkpoint, default fcfs policy), in this process."""
+    from fake_engine import serve_in_thread
+
+    with serve_in_thread(AsyncEngine(tiny_engine(tiny, "fcfs"))) as (base_url, _):
+        yield base_url
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_fcfs_server_refuses_priority_with_a_400_naming_it(fcfs_server: str, path: str):
+    body = {"model": "fake", "max_tokens": 2, "prompt": "Hi", "messages": [{"role": "user", "content": "Hi"}]}
+    body.pop("messages" if path == "/v1/completions" else "prompt")
+    for priority, status in ((1, 400), (0, 200)):
+        r = httpx.post(fcfs_server + path, json={**body, "priority": priority}, timeout=60)
+        assert r.status_code == status, r.text
+        if status == 400:
+            error = r.json()["error"]
+            assert error["param"] == "priority" and "--scheduling-policy priority" in error["message"]
+
+
+# ----------------------------------------------------------- the Done-when line: a real server, default model
+
+NUM_LOW = 12
+LOW_PRIORITY = 10
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerInfo]:
+    log = tmp_path_factory.mktemp("priority_server") / "server.log"
+    with running_server(
+        log, "--scheduling-policy", "priority", "--max-num-seqs", "2", "--num-kv-blocks", "256"
+    ) as info:
+        yield info
+
+
+@pytest.mark.slow
+def test_saturated_server_finishes_a_later_urgent_request_before_the_median_low_one(server: ServerInfo):
+    """12 long priority-10 requests on 2 slots, then a priority-0 one: it overtakes the queue and takes a
+    running request's slot (a preemption in /metrics)."""
+    preemptions_before = read_metrics(server)["pagedllm:num_preemptions_total"]
+    finished: list[str] = []
+
+    async def one(client: openai.AsyncOpenAI, name: str, priority: int) -> None:
+        r = await client.completions.create(
+            model=server.model,
+            prompt=f"Story number {name}: once upon a time",
+            max_tokens=48,
+            temperature=0,
+            extra_body={"priority": priority, "ignore_eos": True},
+        )
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 48
+        finished.append(name)
+
+    def queued() -> bool:
+        m = read_metrics(server)
+        return m["pagedllm:num_requests_running"] == 2 and m["pagedllm:num_requests_waiting"] == NUM_LOW - 2
+
+    async def main() -> None:
+        async with openai.AsyncOpenAI(
+            base_url=server.url("/v1"), api_key=server.api_key, timeout=300, max_retries=0
+        ) as client:
+            lows = [asyncio.create_task(one(client, f"low{i}", LOW_PRIORITY)) for i in range(NUM_LOW)]
+            await asyncio.to_thread(wait_until, queued, 120, "the low-priority requests to fill the server")
+            await one(client, "urgent", 0)
+            await asyncio.gather(*lows)
+
+    asyncio.run(main())
+    assert sorted(finished) == sorted([*(f"low{i}" for i in range(NUM_LOW)), "urgent"])
+    lows_before = finished.index("urgent")  # every request before it in the order is a low one
+    assert lows_before < NUM_LOW // 2, finished  # before the median low-priority one
+    assert read_metrics(server)["pagedllm:num_preemptions_total"] > preemptions_before
+
+
+@pytest.mark.slow
+def test_priority_must_be_an_integer(server: ServerInfo):
+    body = {"model": server.model, "prompt": "Hi", "max_tokens": 2, "priority": "high"}
+    r = httpx.post(server.url("/v1/completions"), json=body, headers=server.headers, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"

@@ -171,6 +171,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="token budget of one step: prefill chunks plus decodes (default: 2048)",
     )
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="fcfs: first come, first served (a request's priority must be 0); priority: requests rank by "
+        "their priority field (lower first, vLLM's meaning), then arrival: the waiting queue is served in "
+        "rank order and the lowest-ranked running request is preempted for a higher-ranked one when slots "
+        "or KV blocks run out (default: fcfs)",
+    )
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
     g.add_argument(
         "--kv-cache-dtype",
@@ -225,4 +234,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
         batch_invariant=args.batch_invariant,
+        scheduling_policy=args.scheduling_policy,
     )

@@ -85,9 +85,11 @@ class LLM:
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns their outputs in input order. A prompt is text, token ids, or
-        vLLM's prompt dicts ({"prompt": text} or {"prompt_token_ids": ids})."""
+        vLLM's prompt dicts ({"prompt": text} or {"prompt_token_ids": ids}). priority: one per prompt, lower
+        first, for an LLM made with scheduling_policy="priority" (fcfs takes only 0s)."""
         if self.pooling_engine is not None:
             raise InputError("this LLM holds an embedding or scoring model: use embed or score", "model")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
@@ -105,10 +107,20 @@ class LLM:
         # does the same). The caller's objects are left as they are.
         final_only = {id(p): replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params}
         params = [final_only[id(p)] for p in params]
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif len(priority) != len(prompts):
+            raise InputError(f"got {len(priority)} priorities for {len(prompts)} prompts", param="priority")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         engine = self.llm_engine
-        for rid, prompt, p in zip(ids, prompts, params):
-            engine.add_request(rid, prompt, p)
+        added: list[str] = []
+        try:
+            for rid, prompt, p, rank in zip(ids, prompts, params, priority):
+                engine.add_request(rid, prompt, p, priority=rank)
+                added.append(rid)
+        except BaseException:  # a refused prompt: none of this call's requests stays in the engine
+            engine.abort_request(added)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(

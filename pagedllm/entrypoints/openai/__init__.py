@@ -120,13 +120,14 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def add_requests(
-        self, request_id: str, prompts: list[list[int]], params: SamplingParams
+        self, request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int | None = None
     ) -> list[RequestStream]:
         """One engine request per prompt; if one is refused, the ones already added are aborted."""
         streams: list[RequestStream] = []
         try:
             for i, token_ids in enumerate(prompts):
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", token_ids, params))
+                rid = f"{request_id}-{i}"
+                streams.append(await self.engine.add_request(rid, token_ids, params, priority=priority or 0))
         except BaseException:
             for stream in streams:
                 stream.close()

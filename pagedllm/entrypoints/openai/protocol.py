@@ -148,7 +148,6 @@ _REFUSED_COMMON: dict[str, tuple[Any, ...]] = {
     "cache_salt": (),
     "kv_transfer_params": (),
     "vllm_xargs": (),
-    "priority": (0,),
     "guided_decoding_backend": ("auto", "llguidance", "guidance"),
     "guided_whitespace_pattern": (),
     "structural_tag": (),
@@ -194,6 +193,7 @@ class _SamplingRequest(OpenAIRequestModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    priority: int | None = None  # --scheduling-policy priority: lower first; fcfs refuses all but 0 (engine)
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -221,7 +221,6 @@ class _SamplingRequest(OpenAIRequestModel):
     cache_salt: str | None = None
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
-    priority: int | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     structural_tag: Any = None

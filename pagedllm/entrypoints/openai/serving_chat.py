@@ -261,7 +261,7 @@ class OpenAIServingChat(OpenAIServing):
         await self.validate_constraint(constraint, field)
 
         request_id = random_id("chatcmpl")
-        (stream,) = await self.add_requests(request_id, [token_ids], params)
+        (stream,) = await self.add_requests(request_id, [token_ids], params, request.priority)
         if request.stream:
             return self._stream(request, mode, request_id, len(token_ids), stream, think)
         try:

@@ -96,7 +96,9 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_context(longest, params, "max_tokens")
 
         request_id = random_id("cmpl")
-        streams = await self.add_requests(request_id, [p.token_ids for p in prompts], params)
+        streams = await self.add_requests(
+            request_id, [p.token_ids for p in prompts], params, request.priority
+        )
         if request.stream:
             return self._stream(request, request_id, prompts, streams, score_only)
         try:
