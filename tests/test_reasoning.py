@@ -217,13 +217,14 @@ def gated_server(engine: AsyncEngine) -> Iterator[ServerInfo]:
         yield info
 
 
+def connect(info: ServerInfo) -> openai.OpenAI:
+    return openai.OpenAI(base_url=info.url("/v1"), api_key=API_KEY, timeout=REQUEST_TIMEOUT_S, max_retries=0)
+
+
 @pytest.fixture
 def client(server: ServerInfo) -> Iterator[openai.OpenAI]:
-    c = openai.OpenAI(
-        base_url=server.url("/v1"), api_key=server.api_key, timeout=REQUEST_TIMEOUT_S, max_retries=0
-    )
-    yield c
-    c.close()
+    with connect(server) as c:
+        yield c
 
 
 def reasoning_of(delta) -> str:
@@ -354,7 +355,7 @@ def test_chat_constraint_applies_after_the_think_block(engine: AsyncEngine, gate
         "logit_bias": {str(t): 10 for t in tag},
     }
     ask = [{"role": "user", "content": "Repeat exactly: </think>123"}]
-    with openai.OpenAI(base_url=gated_server.url("/v1"), api_key=API_KEY, max_retries=0) as client:
+    with connect(gated_server) as client:
         r = client.chat.completions.create(
             model="default", messages=ask, temperature=0, max_tokens=30, extra_body=body
         )
@@ -370,7 +371,7 @@ def test_chat_constraint_applies_after_the_think_block(engine: AsyncEngine, gate
         "--structured-outputs-config",
         '{"enable_in_reasoning": true}',
     ) as whole:
-        with openai.OpenAI(base_url=whole.url("/v1"), api_key=API_KEY, max_retries=0) as client:
+        with connect(whole) as client:
             r = client.chat.completions.create(
                 model="default", messages=ask, temperature=0, max_tokens=30, extra_body=body
             )
@@ -420,7 +421,7 @@ def test_max_reasoning_tokens(engine: AsyncEngine, gated_server: ServerInfo, str
     """deepseek_r1 on a model that never closes the block by itself: max_reasoning_tokens=6 closes it after
     six tokens, and the model answers after it; without the budget all of it is reasoning."""
     ask = [{"role": "user", "content": "What is the capital of France?"}]
-    with openai.OpenAI(base_url=gated_server.url("/v1"), api_key=API_KEY, max_retries=0) as client:
+    with connect(gated_server) as client:
 
         def reply(**body):
             r = client.chat.completions.create(
@@ -455,7 +456,7 @@ def test_budget_refusals_and_no_parser(
     assert e.value.body["param"] == "max_reasoning_tokens"
     with (
         serve(engine) as plain,
-        openai.OpenAI(base_url=plain.url("/v1"), api_key=API_KEY, max_retries=0) as c,
+        connect(plain) as c,
     ):
         with pytest.raises(openai.BadRequestError, match="needs a server started with --reasoning-parser"):
             c.chat.completions.create(model="default", messages=ASK, extra_body={"max_reasoning_tokens": 4})
