@@ -470,3 +470,35 @@ def test_budget_refusals_and_no_parser(
         ) if ch.choices]  # fmt: skip
         assert not any(reasoning_of(d) for d in deltas)
         assert "".join(d.content or "" for d in deltas) == r.choices[0].message.content
+
+
+def prefilled(client: openai.OpenAI, prefill: str, regex: str):
+    """A reply that continues an assistant message: its end is where the prompt leaves the think block
+    (a Qwen3 template renders "<think>\\n" for thinking models, "<think>\\n\\n</think>\\n\\n" with
+    enable_thinking=False)."""
+    messages = [*ASK, {"role": "assistant", "content": prefill}]
+    body = {
+        "structured_outputs": {"regex": regex},
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
+    r = client.chat.completions.create(
+        model="default", messages=messages, temperature=0, max_tokens=60, extra_body=body
+    )
+    return r.choices[0].message.model_extra["reasoning_content"], r.choices[0].message.content
+
+
+@pytest.mark.slow
+def test_prompt_opened_the_block(client: openai.OpenAI, server: ServerInfo) -> None:
+    """A prompt ending in <think>: the output is reasoning up to </think> without writing <think>."""
+    reasoning, content = prefilled(client, "<think>\n", THINK + "</think>" + ANSWER)
+    assert re.fullmatch(THINK, reasoning) and re.fullmatch(ANSWER, content), (reasoning, content)
+
+
+@pytest.mark.slow
+def test_prompt_closed_the_block(gated_server: ServerInfo) -> None:
+    """A prompt whose think block is already closed (thinking off): deepseek_r1 reads the output as all
+    answer, and the constraint applies from its first token (no gate waits for a </think>)."""
+    with connect(gated_server) as client:
+        reasoning, content = prefilled(client, "<think>\n\n</think>\n\n", "[0-9]{3}")
+    assert reasoning is None and re.fullmatch("[0-9]{3}", content), (reasoning, content)
