@@ -123,3 +123,20 @@ def test_xlmr_cross_encoder_matches_predict(tmp_path) -> None:
     ref = CrossEncoder(str(tmp_path), device="cpu").predict([(TEXTS[0], d) for d in TEXTS])
     ours = LLM(model=str(tmp_path), dtype="fp32").score(TEXTS[0], TEXTS)
     assert np.allclose(ours, ref, atol=2e-3)
+
+
+def test_the_default_prompt_goes_before_each_text(tmp_path) -> None:
+    from pooling_checkpoints import TEXTS, bert_mean_st
+    from sentence_transformers import SentenceTransformer
+
+    from pagedllm import LLM
+
+    path = bert_mean_st(tmp_path / "st")
+    file = path / "config_sentence_transformers.json"
+    cfg = json.loads(file.read_text())
+    cfg.update(prompts={"query": "what is ", "document": ""}, default_prompt_name="query")
+    file.write_text(json.dumps(cfg))
+    ref = SentenceTransformer(str(path), device="cpu").encode(TEXTS)
+    ours = np.array(LLM(model=str(path), dtype="fp32").embed(TEXTS))
+    assert F.cosine_similarity(torch.tensor(ours), torch.tensor(ref)).min() >= 0.9999
+    assert np.abs(ours - ref).max() <= 2e-3

@@ -123,7 +123,8 @@ class PoolingEngine:
         most that many tokens (its special tokens included); without it an input over max_model_len is an
         InputError naming `param`."""
         limit = self.max_model_len if truncate is None else min(truncate, self.max_model_len)
-        pair = (text,) if isinstance(text, str) else tuple(text)
+        # sentence-transformers' default prompt goes before a text it embeds (not before a scored pair)
+        pair = (self.spec.prompt + text,) if isinstance(text, str) else tuple(text)
         enc = self.tokenizer.hf(*pair, truncation=truncate is not None, max_length=limit)
         types = enc.get("token_type_ids") if len(pair) == 2 else None
         return self.check(PoolingInput(list(enc["input_ids"]), list(types) if types else None), None, param)

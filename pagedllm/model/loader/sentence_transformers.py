@@ -50,6 +50,7 @@ class PoolingSpec:
     max_model_len: int | None  # the folder's limit (max_seq_length / model_max_length); None: the model's
     matryoshka_dimensions: tuple[int, ...] | None  # None: `dimensions` is refused; () any size up to full
     activation: str | None = None  # a cross-encoder's: CrossEncoder.predict's activation on the logits
+    prompt: str = ""  # config_sentence_transformers.json's default prompt, put before every text
 
 
 def _json(file: Path) -> dict[str, Any]:
@@ -142,6 +143,15 @@ def _from_sentence_transformers(folder: Path) -> PoolingSpec:
     pooling = [m for k, m in zip(kinds, modules) if k == "Pooling"]
     mode = _pooling_mode(folder / pooling[0].get("path", "")) if pooling else "cls"
     cfg = _json(model_folder / "config.json")
+    prompt = _default_prompt(folder / "config_sentence_transformers.json")
+    if (
+        prompt
+        and pooling
+        and _json(folder / pooling[0].get("path", "") / "config.json").get("include_prompt") is False
+    ):
+        raise InputError(
+            f"{folder}: a default prompt left out of pooling (include_prompt false) is not supported", "model"
+        )
     st_config = folder / "sentence_bert_config.json"
     max_len = _json(st_config).get("max_seq_length") if st_config.is_file() else None
     return PoolingSpec(
@@ -152,7 +162,23 @@ def _from_sentence_transformers(folder: Path) -> PoolingSpec:
         "Normalize" in kinds,
         int(max_len) if max_len else _tokenizer_max_len(model_folder),
         _matryoshka(cfg),
+        prompt=prompt,
     )
+
+
+def _default_prompt(file: Path) -> str:
+    """The prompt sentence-transformers' encode puts before every text when it is given none: the one
+    default_prompt_name names (e.g. an instruction of an instruction-tuned embedder), else none."""
+    if not file.is_file():
+        return ""
+    cfg = _json(file)
+    name = cfg.get("default_prompt_name")
+    if name is None:
+        return ""
+    prompts = cfg.get("prompts") or {}
+    if name not in prompts:
+        raise InputError(f"{file}: default_prompt_name {name!r} is not among its prompts", param="model")
+    return str(prompts[name])
 
 
 def _pooling_mode(folder: Path) -> str:
