@@ -165,3 +165,18 @@ def bert_cross_encoder(folder: Path) -> Path:
     model.save_pretrained(folder)
     wordpiece_tokenizer().save_pretrained(folder)
     return folder
+
+
+def xlmr_cross_encoder(folder: Path) -> Path:
+    """An XLMRobertaForSequenceClassification with one label (its classifier: dense + tanh + out_proj)."""
+    from transformers import XLMRobertaConfig, XLMRobertaForSequenceClassification
+
+    torch.manual_seed(4)
+    tok = bpe_tokenizer(roberta=True)
+    cfg = XLMRobertaConfig(
+        vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=130, pad_token_id=1, num_labels=1,
+    )  # fmt: skip
+    XLMRobertaForSequenceClassification(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder

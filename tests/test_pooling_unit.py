@@ -106,22 +106,14 @@ def test_batches_follow_the_token_budget(tmp_path) -> None:
 
 
 def test_xlmr_cross_encoder_matches_predict(tmp_path) -> None:
-    from pooling_checkpoints import TEXTS, bpe_tokenizer
+    from pooling_checkpoints import TEXTS, xlmr_cross_encoder
     from sentence_transformers import CrossEncoder
-    from transformers import XLMRobertaConfig, XLMRobertaForSequenceClassification
 
     from pagedllm import LLM
 
-    torch.manual_seed(4)
-    tok = bpe_tokenizer(roberta=True)
-    cfg = XLMRobertaConfig(
-        vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=130, pad_token_id=1, num_labels=1,
-    )  # fmt: skip
-    XLMRobertaForSequenceClassification(cfg).save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    ref = CrossEncoder(str(tmp_path), device="cpu").predict([(TEXTS[0], d) for d in TEXTS])
-    ours = LLM(model=str(tmp_path), dtype="fp32").score(TEXTS[0], TEXTS)
+    path = xlmr_cross_encoder(tmp_path / "ce")
+    ref = CrossEncoder(str(path), device="cpu").predict([(TEXTS[0], d) for d in TEXTS])
+    ours = LLM(model=str(path), dtype="fp32").score(TEXTS[0], TEXTS)
     assert np.allclose(ours, ref, atol=2e-3)
 
 

@@ -10,19 +10,17 @@ so it costs one layer's K/V for the batch, not the model's.
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.errors import InputError
 from pagedllm.model.classes import model_class
 from pagedllm.model.encoder import EncoderBatch, EncoderModel, read_encoder_config
 from pagedllm.model.loader.hf_config import check_complete, read_hf_config, split_fused
-from pagedllm.model.loader.safetensors import safetensors_files
 from pagedllm.model.loader.sentence_transformers import PoolingSpec
 from pagedllm.model.pooling import ACTIVATIONS, Pooler
+from pagedllm.model.quantized_checkpoint import _read_tensors as read_tensors
 
 SCRATCH_BLOCK_SIZE = 16
 
@@ -37,7 +35,8 @@ class PoolingModel:
                 f"cross-encoder activation {spec.activation!r} is not supported ({', '.join(ACTIVATIONS)})",
                 param="model",
             )
-        weights = _read_weights(spec.model_folder)
+        # as stored (bf16 or fp32): from_weights copies each into its parameter in the model's dtype
+        weights = read_tensors(spec.model_folder)
         if spec.encoder:
             self.encoder_config = config = read_encoder_config(spec.model_folder)
             self.model = EncoderModel.from_weights(config, weights, dtype)
@@ -79,18 +78,6 @@ class PoolingModel:
         """[B, num_labels] float32: the classifier's logits through CrossEncoder.predict's activation."""
         hidden = self.hidden_states(inputs, token_types)
         return self.activation(self.model.classify(hidden, [len(i) for i in inputs]))
-
-
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    weights: dict[str, torch.Tensor] = {}
-    for file in safetensors_files(folder):
-        try:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    weights[name] = f.get_tensor(name).to(torch.float32)
-        except (OSError, ValueError, RuntimeError) as e:
-            raise InputError(f"truncated or corrupt safetensors file {file}: {e}", param="model") from None
-    return weights
 
 
 def _decoder_forward(model, config, inputs: list[list[int]]) -> torch.Tensor:

@@ -62,13 +62,18 @@ class PoolingUsage(BaseModel):
     total_tokens: int = 0
 
 
-class EmbeddingResponse(BaseModel):
+class PoolingListResponse(BaseModel):
+    """OpenAI's list envelope, which /v1/embeddings and vLLM's /score share."""
+
     id: str = Field(default_factory=lambda: random_id("embd"))
     object: Literal["list"] = "list"
     created: int = Field(default_factory=unix_now)
     model: str
-    data: list[EmbeddingData]
     usage: PoolingUsage
+
+
+class EmbeddingResponse(PoolingListResponse):
+    data: list[EmbeddingData]
 
 
 class RerankDocument(BaseModel):
@@ -109,10 +114,6 @@ class ScoreData(BaseModel):
     score: float
 
 
-class ScoreResponse(BaseModel):
+class ScoreResponse(PoolingListResponse):
     id: str = Field(default_factory=lambda: random_id("score"))
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=unix_now)
-    model: str
     data: list[ScoreData]
-    usage: PoolingUsage
