@@ -243,6 +243,11 @@ def test_errors_through_the_client_and_server_serves_on(server: ServerInfo, clie
     assert e.value.status_code == 400 and "options.top_p" in e.value.error
     r = httpx.post(server.url("/api/chat"), content=b"{not json", headers=server.headers, timeout=30)
     assert r.status_code == 400 and "error" in r.json()
+    # a body is JSON whatever its Content-Type, as Ollama reads it (its docs' `curl -d` sends a form's)
+    form = {**server.headers, "Content-Type": "application/x-www-form-urlencoded"}
+    body = json.dumps({"model": "default", "prompt": "Hi", "stream": False, "options": {"num_predict": 1}})
+    r = httpx.post(server.url("/api/generate"), content=body, headers=form, timeout=REQUEST_TIMEOUT_S)
+    assert r.status_code == 200 and r.json()["eval_count"] == 1
     assert_serves(client)
 
 

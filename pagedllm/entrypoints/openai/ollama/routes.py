@@ -113,6 +113,12 @@ class OllamaRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def route(request: Request) -> Response:
+            if request.method == "POST":
+                # Ollama reads every body as JSON whatever its Content-Type, and its own docs' `curl -d`
+                # sends application/x-www-form-urlencoded: say JSON, so that FastAPI parses it as such
+                headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
+                scope = {**request.scope, "headers": [*headers, (b"content-type", b"application/json")]}
+                request = Request(scope, request.receive)
             try:
                 return await handler(request)
             except Exception as exc:
