@@ -14,6 +14,7 @@ called as sentence-transformers calls it (its special tokens; a pair as one inpu
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +87,7 @@ class PoolingEngine:
         ops.table()  # every kernel the model will call, built before the first request (as LLMEngine does)
         self.model = PoolingModel(spec, self.dtype)
         self.tokenizer = Tokenizer.from_checkpoint(spec.model_folder)
+        self._tokenizer_lock = threading.Lock()
         limit = self.model.max_model_len
         if max_model_len is not None and max_model_len > limit:
             raise InputError(f"max_model_len {max_model_len} is above the model's {limit}", "max_model_len")
@@ -125,7 +127,9 @@ class PoolingEngine:
         limit = self.max_model_len if truncate is None else min(truncate, self.max_model_len)
         # sentence-transformers' default prompt goes before a text it embeds (not before a scored pair)
         pair = (self.spec.prompt + text,) if isinstance(text, str) else tuple(text)
-        enc = self.tokenizer.hf(*pair, truncation=truncate is not None, max_length=limit)
+        cut = {"truncation": True, "max_length": limit} if truncate is not None else {}
+        with self._tokenizer_lock:  # a call with truncation sets the fast tokenizer's state for the next
+            enc = self.tokenizer.hf(*pair, **cut)
         types = enc.get("token_type_ids") if len(pair) == 2 else None
         return self.check(PoolingInput(list(enc["input_ids"]), list(types) if types else None), None, param)
 
