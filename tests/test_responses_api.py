@@ -14,6 +14,7 @@ import jsonschema
 import openai
 import pytest
 from test_server import REQUEST_TIMEOUT_S, running_server
+from test_server_structured import WEATHER as CHAT_WEATHER
 
 from pagedllm.entrypoints.openai.protocol_responses import ResponseObject
 from pagedllm.entrypoints.openai.responses_store import ResponsesStore
@@ -53,19 +54,8 @@ PERSON = {
     },
     "required": ["name", "age"],
 }
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "Get the current weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "maxLength": 30},
-            "unit": {"enum": ["celsius", "fahrenheit"]},
-        },
-        "required": ["city", "unit"],
-    },
-}
+# the chat tests' tool, as the Responses API defines a function tool (its fields at the top level)
+WEATHER = {"type": "function", **CHAT_WEATHER["function"]}
 # the lifecycle events of one message, in the order openai's ResponseStreamState requires
 MESSAGE_EVENTS = [
     "response.created",
@@ -162,7 +152,7 @@ def test_named_function_call_streamed_and_not(client, server):
         input="What is the weather like in Paris today?",
         tools=[WEATHER],
         tool_choice={"type": "function", "name": "get_weather"},
-        max_output_tokens=60,
+        max_output_tokens=40,
         temperature=0,
     )
     r = client.responses.create(**common)

@@ -313,25 +313,22 @@ class _ResponseBuilder:
         return events
 
     def reasoning(self, delta: str | None) -> list[dict[str, Any]]:
-        if not delta:
-            return []
-        events = []
-        if not isinstance(self.open, ReasoningItem):
-            events = self._add(ReasoningItem(id=new_id("rs"), content=[ReasoningText(text="")]))
-        self.open.content[0].text += delta
-        return [*events, self._event("response.reasoning_text.delta", **self._where(self.open), delta=delta)]
+        return self._delta(ReasoningItem, "rs", ReasoningText, "response.reasoning_text.delta", delta)
 
     def text(self, delta: str | None) -> list[dict[str, Any]]:
+        return self._delta(OutputMessage, "msg", OutputText, "response.output_text.delta", delta, logprobs=[])
+
+    def _delta(
+        self, item_type: type, prefix: str, part_type: type, kind: str, delta: str | None, **extra: Any
+    ) -> list[dict[str, Any]]:
+        """Text for the open item of item_type (opened first if another kind of item is open)."""
         if not delta:
             return []
         events = []
-        if not isinstance(self.open, OutputMessage):
-            events = self._add(OutputMessage(id=new_id("msg"), content=[OutputText(text="")]))
+        if not isinstance(self.open, item_type):
+            events = self._add(item_type(id=new_id(prefix), content=[part_type(text="")]))
         self.open.content[0].text += delta
-        return [
-            *events,
-            self._event("response.output_text.delta", **self._where(self.open), delta=delta, logprobs=[]),
-        ]
+        return [*events, self._event(kind, **self._where(self.open), delta=delta, **extra)]
 
     def call(
         self, index: int, call_id: str | None, name: str | None, arguments: str | None
