@@ -54,7 +54,13 @@ def is_pooling_model(model: str, runner: str = "auto") -> bool:
     decides from the folder; runner "pooling" forces a decoder, "generate" never)."""
     if model == "default" and runner != "pooling":
         return False
-    return pooling_spec(resolve_model_path(model), runner) is not None
+    try:
+        path = resolve_model_path(model)
+    except InputError:
+        if runner == "pooling":
+            raise
+        return False  # the generative engine checks its options first, then names the missing path
+    return pooling_spec(path, runner) is not None
 
 
 class PoolingEngine:
