@@ -137,7 +137,11 @@ class EncoderAttention(nn.Module):
         # (one call per input, as attention/paged.py's prefill; the linears above and below take them all)
         for start, end in itertools.pairwise(batch.starts):
             q, k, v = (qkv[start:end, i].transpose(0, 1).unsqueeze(0) for i in range(3))  # [1, H, n, hd]
-            o[start:end] = attend(q, k, v).squeeze(0).transpose(0, 1)
+            out = attend(q, k, v)[0]
+            # head by head: one transposing copy_ of the whole [H, n, hd] goes through torch's parallel
+            # copy, measured at 8 ms against 0.06 ms for these twelve on 2 busy cores (300 tokens, bf16)
+            for h in range(self.num_heads):
+                o[start:end, h].copy_(out[h])
         return self.norm(x + self.dense(o.view(t, d)))
 
 
