@@ -82,3 +82,15 @@ def test_small_files_and_off_are_not_cached(kquant_path, tmp_path, monkeypatch):
     monkeypatch.setattr(layout_cache, "MIN_FILE_BYTES", 0)
     monkeypatch.setenv(layout_cache.CACHE_ENV, "off")
     assert layout_cache.LayoutCache.for_file(kquant_path, torch.bfloat16) is None
+
+
+def test_a_new_file_replaces_the_same_variants_older_sources(kquant_path, cache_dir):  # noqa: F811
+    _load(kquant_path)
+    (path,) = cache_dir.glob("*.pt")
+    stem, variant, sources = path.stem.rsplit("-", 2)
+    older = path.with_name(f"{stem}-{variant}-{'0' * len(sources)}.pt")
+    path.rename(older)  # as if the packers had changed since it was written
+    other = cache_dir / f"{stem}-{'1' * len(variant)}-{sources}.pt"  # another variant (dtype, tier...)
+    other.write_bytes(b"")
+    _load(kquant_path)
+    assert sorted(cache_dir.glob("*.pt")) == sorted([path, other])

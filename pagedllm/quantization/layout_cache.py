@@ -1,8 +1,9 @@
-"""The packed kernel layouts of a big GGUF file, kept on disk so that the next load maps them instead of
+"""The packed kernel layouts of a big GGUF file, kept on disk so that the next load reads them instead of
 decoding and repacking every block (llama.cpp maps its file and starts in about a second; decoding and
-packing a 1B Q4_K_M file takes ~8 s on two cores, an 8B one ~50 s).
+packing a 1B Q4_K_M file takes ~10 s on two cores, an 8B one ~50 s).
 
-    ~/.cache/pagedllm/layouts/<file stem>-<key>.pt      (PAGEDLLM_LAYOUT_CACHE moves the root; "off" disables)
+    ~/.cache/pagedllm/layouts/<file stem>-<variant>-<sources>.pt
+    (PAGEDLLM_LAYOUT_CACHE moves the root; "off" turns the cache off)
 
 One file per model file, activation dtype and kernel backend: a torch.save'd dict {module name: (kernel name,
 layout tensors, shape facts)}, read back whole with torch.load: not mapped, because fusing q / k / v and
@@ -10,9 +11,10 @@ gate / up copies most layouts into joined ones, and a mapped file's pages read f
 the process's resident set beside it (a private read is one copy, freed part by part). The key covers the
 GGUF's identity (path, size, mtime), the dtype, the op table's backend, the CPU tier, --batch-invariant, and
 the source of every file that decides a layout: an edit to a packer, a header or a decoder makes a new key,
-so a stale layout is never read. A file that does not load or does not match what the loader expects is
-ignored (and rebuilt); it is written to a temporary name and renamed, so a crash never leaves a torn one.
-Only files of at least MIN_FILE_BYTES are cached: a small model repacks in well under a second.
+so a stale layout is never read (and saving a variant's new file removes its files of older sources). A
+file that does not load or does not match what the loader expects is ignored (and rebuilt); it is written
+to a temporary name and renamed, so a crash never leaves a torn one. Only files of at least MIN_FILE_BYTES
+are cached: a small model repacks in well under a second.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ def cache_root() -> Path | None:
     return Path(root) if root else Path.home() / ".cache" / "pagedllm" / "layouts"
 
 
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def _source_digest() -> str:
     h = hashlib.sha256()
     for path in [*(_PACKAGE / s for s in _SOURCES), *sorted((_PACKAGE / "csrc").glob("*"))]:
@@ -66,7 +72,7 @@ class LayoutCache:
         root, stat = cache_root(), Path(gguf_path).stat()
         if root is None or stat.st_size < MIN_FILE_BYTES:
             return None
-        identity = "|".join(
+        variant = "|".join(
             map(
                 str,
                 (
@@ -78,12 +84,12 @@ class LayoutCache:
                     ops.backend("quantized_linear"),
                     platform.capabilities().tier,
                     ops.building_batch_invariant(),
-                    _source_digest(),
                 ),
             )
         )
-        key = hashlib.sha256(identity.encode()).hexdigest()[:20]
-        path = root / f"{Path(gguf_path).stem}-{key}.pt"
+        # <stem>-<variant>-<sources>.pt: a file of this variant with other sources can never be read again,
+        # so save() removes it
+        path = root / f"{Path(gguf_path).stem}-{_digest(variant)}-{_source_digest()[:12]}.pt"
         return cls(path, cls._read(path), (dtype, ops.backend("quantized_linear")))
 
     @staticmethod
@@ -145,6 +151,10 @@ class LayoutCache:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(self._new, tmp)
             os.replace(tmp, self.path)
+            stem, variant, _ = self.path.stem.rsplit("-", 2)
+            for stale in self.path.parent.glob(f"{stem}-{variant}-*.pt"):
+                if stale != self.path:
+                    stale.unlink(missing_ok=True)
             size = self.path.stat().st_size
             logger.info(
                 "layout cache: wrote %d packed layers (%.0f MiB) to %s",
