@@ -139,6 +139,24 @@ def test_langchain_openai_embeddings(bert, bert_ref) -> None:
     assert_same([emb.embed_query(TEXTS[2])], bert_ref[2:3])
 
 
+def test_ollama_embed_and_embeddings(bert, bert_ref) -> None:
+    """Ollama's /api/embed (and the older /api/embeddings) through the official ollama client."""
+    import ollama
+
+    server, _ = bert
+    name = client_of(server).models.list().data[0].id
+    client = ollama.Client(host=server.base_url, headers=server.headers, timeout=60)
+    r = client.embed(model=name, input=TEXTS)
+    assert_same(r.embeddings, bert_ref)
+    assert r.prompt_eval_count > len(TEXTS) and r.total_duration > 0
+    assert_same([client.embeddings(model=f"{name}:latest", prompt=TEXTS[1]).embedding], bert_ref[1:2])
+    with pytest.raises(ollama.ResponseError) as e:
+        client.embed(model="nope", input="x")
+    assert e.value.status_code == 404
+    r = httpx.post(server.url("/api/embed"), json={"model": name, "input": []}, headers=server.headers)
+    assert r.status_code == 400 and list(r.json()) == ["error"], r.text
+
+
 def test_score_and_rerank_by_cosine(bert, bert_ref) -> None:
     server, _ = bert
     r = post(server, "/score", {"model": server.model, "text_1": TEXTS[0], "text_2": TEXTS[1:4]})

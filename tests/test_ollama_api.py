@@ -223,7 +223,7 @@ def test_options_load_and_num_ctx(server: ServerInfo, client: ollama.Client) -> 
         ("/api/generate", {"model": "default", "prompt": "x", "context": [10**9]}, 400, "context"),
         ("/api/generate", {"model": "default", "prompt": "x", "raw": True, "system": "s"}, 400, "system"),
         ("/api/show", {"model": "nope"}, 404, "nope"),
-        ("/api/embed", {"model": "default", "input": "x"}, 404, "/v1/embeddings"),
+        ("/api/embed", {"model": "default", "input": "x"}, 400, "generative"),  # an LLM's server
     ],
 )  # fmt: skip
 def test_bad_input_is_an_ollama_error(

@@ -230,3 +230,36 @@ class OllamaError(BaseModel):
     """Every Ollama error: {"error": "..."} with the HTTP status saying which kind."""
 
     error: str
+
+
+# ---------------------------------------------------------------------------------------------- embed
+
+
+class OllamaEmbedRequest(OllamaRequest):
+    model: str
+    input: str | list[str] = Field(default_factory=list)
+    truncate: bool = True  # Ollama's default: an input over the context is cut to it (false: a 400)
+    dimensions: int | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: float | str | None = None
+
+
+class OllamaEmbedResponse(BaseModel):
+    model: str
+    embeddings: list[list[float]]
+    total_duration: int  # nanoseconds, as Ollama's other timings
+    load_duration: int = 0  # the model was loaded at start-up
+    prompt_eval_count: int
+
+
+class OllamaEmbeddingsRequest(OllamaRequest):
+    """The older /api/embeddings: one prompt, one vector, no truncation field (Ollama truncates)."""
+
+    model: str
+    prompt: str
+    options: dict[str, Any] | None = None
+    keep_alive: float | str | None = None
+
+
+class OllamaEmbeddingsResponse(BaseModel):
+    embedding: list[float]

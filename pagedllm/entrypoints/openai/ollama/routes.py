@@ -1,5 +1,7 @@
 """Ollama's routes on the OpenAI server's app: /api/chat, /api/generate, /api/tags, /api/show, /api/ps,
-/api/version; /api/embed and /api/embeddings answer 404 (pointing at /v1/embeddings) for now.
+/api/version; /api/embed and the older /api/embeddings through the pooling routes' embedding service
+(app.state.embeddings: an embedding model's server; a generative one answers 400 naming model, as
+/v1/embeddings does).
 
 Every error these routes raise has Ollama's body, {"error": "..."}, with the status Ollama gives (400 bad
 input, 404 unknown model, 500 a failed request, 503 a full queue); a route class turns the exceptions
@@ -10,6 +12,8 @@ key, 413 a body too large) keeps the OpenAI body, whose "error" Ollama's clients
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -26,6 +30,10 @@ from pagedllm.entrypoints.openai.ollama import model_info
 from pagedllm.entrypoints.openai.ollama.protocol import (
     OllamaChatRequest,
     OllamaChatResponse,
+    OllamaEmbeddingsRequest,
+    OllamaEmbeddingsResponse,
+    OllamaEmbedRequest,
+    OllamaEmbedResponse,
     OllamaError,
     OllamaGenerateRequest,
     OllamaGenerateResponse,
@@ -50,6 +58,8 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_embedding import refuse_generation
 from pagedllm.errors import InputError
 
+logger = logging.getLogger(__name__)
+
 # The Ollama release whose API these routes follow (think, tool_name, tool_calls' index, /api/ps'
 # context_length): clients such as Open WebUI turn features on by this number.
 OLLAMA_VERSION = "0.12.0"
@@ -59,7 +69,7 @@ NEVER = "2318-11-29T00:00:00Z"
 _ERRORS = {
     400: "the request is malformed; the message names the field",
     401: "missing or wrong API key (OpenAI's error body)",
-    404: "no such model (/api/embed: not served yet)",
+    404: "no such model",
     413: "the request body is over --max-request-body (OpenAI's error body)",
     500: "the request failed inside the engine",
     503: "the server is shutting down or its queue is full (see Retry-After)",
@@ -236,11 +246,28 @@ def add_ollama_routes(
     async def api_version() -> OllamaVersionResponse:
         return OllamaVersionResponse(version=OLLAMA_VERSION)
 
-    async def no_embeddings() -> Response:
-        # 404 as for any route Ollama lacks (a 5xx would say the server failed), with the way that works
-        return error("Ollama's embeddings API is not served yet (use /v1/embeddings)", 404)
+    async def embed(model: str, inputs: str | list[str], truncate: bool, dimensions: int | None):
+        serving.served_name(model)  # 404 for another name
+        embeddings = app.state.embeddings
+        limit = chat.max_model_len if truncate else None  # Ollama cuts an input to the context by default
+        return await embeddings.embed(inputs, truncate_prompt_tokens=limit, dimensions=dimensions)
 
-    for path in ("/api/embed", "/api/embeddings"):
-        router.add_api_route(path, no_embeddings, methods=["POST"], responses=_errors(401, 404))
+    @router.post("/api/embed", responses=_errors(400, 401, 404, 500, 503))
+    async def api_embed(request: OllamaEmbedRequest) -> OllamaEmbedResponse:
+        start = time.perf_counter_ns()
+        if request.options:
+            logger.info("ignoring Ollama options on /api/embed: %s", ", ".join(sorted(request.options)))
+        result = await embed(request.model, request.input, request.truncate, request.dimensions)
+        return OllamaEmbedResponse(
+            model=request.model,
+            embeddings=result.vectors.tolist(),
+            total_duration=time.perf_counter_ns() - start,
+            prompt_eval_count=result.prompt_tokens,
+        )
+
+    @router.post("/api/embeddings", responses=_errors(400, 401, 404, 500, 503))
+    async def api_embeddings(request: OllamaEmbeddingsRequest) -> OllamaEmbeddingsResponse:
+        result = await embed(request.model, [request.prompt], True, None)
+        return OllamaEmbeddingsResponse(embedding=result.vectors[0].tolist())
 
     app.include_router(router)
