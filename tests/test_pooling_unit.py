@@ -132,3 +132,26 @@ def test_the_default_prompt_goes_before_each_text(tmp_path) -> None:
     ours = np.array(LLM(model=str(path), dtype="fp32").embed(TEXTS))
     assert F.cosine_similarity(torch.tensor(ours), torch.tensor(ref)).min() >= 0.9999
     assert np.abs(ours - ref).max() <= 2e-3
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--tensor-parallel-size", "2"], ["--data-parallel-size", "2"], ["--kv-cache-dtype", "int8"],
+     ["--quantization", "int4"], ["--speculative-config", '{"method": "ngram"}']],
+)  # fmt: skip
+def test_generative_options_are_refused_for_a_pooling_model(tmp_path, flags) -> None:
+    """A pooling model runs on one process without a KV cache: the generative engine's options are refused
+    by name before anything loads, never ignored."""
+    import argparse
+
+    from pooling_checkpoints import bert_mean_st
+
+    from pagedllm.entrypoints.openai.cli_args import add_arguments, make_pooling_engine
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    path = bert_mean_st(tmp_path / "st")
+    with pytest.raises(InputError) as e:
+        make_pooling_engine(parser.parse_args(["--model", str(path), *flags]))
+    assert e.value.param == flags[0]
+    assert make_pooling_engine(parser.parse_args(["--model", str(path)])) is not None  # the defaults load

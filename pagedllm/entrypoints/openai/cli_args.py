@@ -189,6 +189,7 @@ def make_pooling_engine(args: argparse.Namespace) -> AsyncPoolingEngine | None:
 
     if not is_pooling_model(args.model, args.runner):
         return None
+    _refuse_generative_options(args)
     apply_threads(args)
     engine = PoolingEngine(
         args.model,
@@ -199,6 +200,34 @@ def make_pooling_engine(args: argparse.Namespace) -> AsyncPoolingEngine | None:
         args.max_model_len,
     )
     return AsyncPoolingEngine(engine, max_num_waiting=args.max_num_waiting)
+
+
+# The generative engine's options, which a pooling model has no use for (no KV cache, one process): set to
+# anything but their default they are refused by name, never ignored.
+GENERATIVE_ONLY_OPTIONS = (
+    "tensor_parallel_size",
+    "data_parallel_size",
+    "ray_address",
+    "speculative_config",
+    "kv_cache_dtype",
+    "kv_cache_memory",
+    "num_kv_blocks",
+    "block_size",
+    "quantization",
+    "scheduling_policy",
+    "batch_invariant",
+    "no_prefix_caching",
+)
+
+
+def _refuse_generative_options(args: argparse.Namespace) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = parser.parse_args([])
+    for dest in GENERATIVE_ONLY_OPTIONS:
+        if hasattr(args, dest) and getattr(args, dest) != getattr(defaults, dest):
+            flag = "--" + dest.replace("_", "-")
+            raise InputError(f"{flag} does not apply to an embedding / scoring model: leave it unset", param=flag)
 
 
 def uses_ray(args: argparse.Namespace) -> bool:

@@ -430,11 +430,11 @@ def run_server(args: argparse.Namespace) -> int:
 
     def load() -> None:
         try:
-            pooling = None if data_parallel else make_pooling_engine(args)  # an embedder / cross-encoder
-            if data_parallel:  # replicas on Ray, each loaded and warmed up in its own process
-                gate.engine = make_data_parallel_engine(args)
-            elif pooling is not None:
+            pooling = make_pooling_engine(args)  # an embedder / cross-encoder (which refuses replicas)
+            if pooling is not None:
                 gate.engine = pooling
+            elif data_parallel:  # replicas on Ray, each loaded and warmed up in its own process
+                gate.engine = make_data_parallel_engine(args)
             else:
                 engine = make_engine(args)
                 engine.warm_up()
