@@ -16,29 +16,20 @@ import httpx
 import jsonschema
 import pytest
 from test_server import REQUEST_TIMEOUT_S, ServerInfo, running_server
+from test_server_structured import TIME as OPENAI_TIME
+from test_server_structured import WEATHER as OPENAI_WEATHER
 
 pytestmark = pytest.mark.slow
 
-WEATHER = {
-    "name": "get_weather",
-    "description": "Get the current weather in a city",
-    "input_schema": {
-        "type": "object",
-        "properties": {
-            "city": {"type": "string", "maxLength": 30},
-            "unit": {"enum": ["celsius", "fahrenheit"]},
-        },
-        "required": ["city", "unit"],
-    },
-}
-TIME = {
-    "name": "get_time",
-    "input_schema": {
-        "type": "object",
-        "properties": {"zone": {"type": "string", "maxLength": 20}},
-        "required": ["zone"],
-    },
-}
+
+def _anthropic_tool(tool: dict) -> dict:
+    """A chat-completions function tool in Anthropic's form (the same schema as input_schema)."""
+    fn = tool["function"]
+    return {k: v for k, v in (("name", fn["name"]), ("description", fn.get("description")),
+                              ("input_schema", fn["parameters"])) if v is not None}  # fmt: skip
+
+
+WEATHER, TIME = _anthropic_tool(OPENAI_WEATHER), _anthropic_tool(OPENAI_TIME)
 WEATHER_ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 COLORS = [{"role": "user", "content": "Name the three primary colors, then explain why."}]
 # The SDK takes no temperature / top_k / top_p arguments any more: they go through extra_body, at the top
