@@ -155,6 +155,9 @@ def test_ollama_embed_and_embeddings(bert, bert_ref) -> None:
     assert e.value.status_code == 404
     r = httpx.post(server.url("/api/embed"), json={"model": name, "input": []}, headers=server.headers)
     assert r.status_code == 400 and list(r.json()) == ["error"], r.text
+    body = {"model": name, "input": "x", "options": {"temperature": 0}}  # refused, never ignored
+    r = httpx.post(server.url("/api/embed"), json=body, headers=server.headers)
+    assert r.status_code == 400 and "options" in r.json()["error"], r.text
 
 
 def test_score_and_rerank_by_cosine(bert, bert_ref) -> None:

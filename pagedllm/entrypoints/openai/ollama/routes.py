@@ -12,7 +12,6 @@ key, 413 a body too large) keeps the OpenAI body, whose "error" Ollama's clients
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
@@ -57,8 +56,6 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embedding import refuse_generation
 from pagedllm.errors import InputError
-
-logger = logging.getLogger(__name__)
 
 # The Ollama release whose API these routes follow (think, tool_name, tool_calls' index, /api/ps'
 # context_length): clients such as Open WebUI turn features on by this number.
@@ -255,8 +252,10 @@ def add_ollama_routes(
     @router.post("/api/embed", responses=_errors(400, 401, 404, 500, 503))
     async def api_embed(request: OllamaEmbedRequest) -> OllamaEmbedResponse:
         start = time.perf_counter_ns()
-        if request.options:
-            logger.info("ignoring Ollama options on /api/embed: %s", ", ".join(sorted(request.options)))
+        if request.options:  # the sampling and runner options have no meaning for a pooling forward
+            raise InputError(
+                f"options are not taken by /api/embed: {', '.join(sorted(request.options))}", "options"
+            )
         result = await embed(request.model, request.input, request.truncate, request.dimensions)
         return OllamaEmbedResponse(
             model=request.model,
@@ -267,6 +266,10 @@ def add_ollama_routes(
 
     @router.post("/api/embeddings", responses=_errors(400, 401, 404, 500, 503))
     async def api_embeddings(request: OllamaEmbeddingsRequest) -> OllamaEmbeddingsResponse:
+        if request.options:
+            raise InputError(
+                f"options are not taken by /api/embeddings: {', '.join(sorted(request.options))}", "options"
+            )
         result = await embed(request.model, [request.prompt], True, None)
         return OllamaEmbeddingsResponse(embedding=result.vectors[0].tolist())
 
