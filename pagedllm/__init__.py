@@ -8,6 +8,7 @@ __all__ = [
     "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
+    "LoRARequest",
     "__version__",
 ]
 
@@ -26,4 +27,8 @@ def __getattr__(name: str):
         from pagedllm import outputs
 
         return getattr(outputs, name)
+    if name == "LoRARequest":
+        from pagedllm.lora.request import LoRARequest
+
+        return LoRARequest
     raise AttributeError(name)

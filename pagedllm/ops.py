@@ -18,6 +18,8 @@ Ops (the code that dispatches on them):
     argmax            greedy sampling of a whole batch (worker/sampler.py)
     decoder_stack     all decoder layers of a decode step in one fused call, or the model's layer loop
                       (model/decode_stack.py; whether a model can take it is decided with the model)
+    lora              every row's LoRA adapter product, all adapters and rows of a linear in one shrink and
+                      one expand (lora/punica.py); torch only for now
 
 Batch invariance (--batch-invariant, vLLM's VLLM_BATCH_INVARIANT): an engine built with it gives a request the
 same numbers, so the same greedy tokens, whatever else is in its steps (alone, in a batch, chunked, after a
@@ -52,6 +54,7 @@ OPS = (
     "quantized_linear",
     "argmax",
     "decoder_stack",
+    "lora",
 )
 REFERENCE = "torch"  # every op's reference backend: plain torch, what every other backend is tested against
 # quantized_linear's backends and the kernels each reads (woq_kernels.py): at the amx tier the AMX kernels
@@ -192,6 +195,9 @@ def select(caps: platform.Capabilities) -> dict[str, Choice]:
         )
     else:
         out["decoder_stack"] = Choice("decoder_stack", REFERENCE, "the model's layer loop, each op as above")
+    out["lora"] = Choice(
+        "lora", REFERENCE, "masked stacked shrink and expand: two F.linear calls per linear for every adapter's rows"
+    )
     return out
 
 

@@ -29,7 +29,7 @@ LAYERS: list[set[str]] = [
     {"pagedllm.executor"},  # where the runner runs: this process, or tensor-parallel worker processes
     # scheduler + KV cache; model runner; perplexity; grammars for structured outputs
     {"pagedllm.core", "pagedllm.worker", "pagedllm.eval", "pagedllm.structured_output"},
-    {"pagedllm.model"},  # the decoder, its builder and fusions
+    {"pagedllm.model", "pagedllm.lora"},  # the decoder, its builder and fusions; LoRA adapters over its linears
     {"pagedllm.quantization"},  # QuantLinear and the quantizers
     {"pagedllm.attention", "pagedllm.model.layers", "pagedllm.model.loader"},
     {

@@ -106,6 +106,7 @@ def test_select_without_any_kernel_is_the_reference(monkeypatch):
         "quantized_linear": "torch-packed",
         "argmax": "torch",
         "decoder_stack": "torch",
+        "lora": "torch",
     }
     assert all(not c.kernels for c in chosen.values())
 

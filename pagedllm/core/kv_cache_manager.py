@@ -84,8 +84,11 @@ class KVCacheManager:
             bs = self.block_size
             tokens = request.all_token_ids
             parent = hashes[-1] if hashes else None
+            # a LoRA adapter's KV differs from the base's and every other adapter's: its id salts the first
+            # block's hash, and the chain carries it to every later block
+            lora = getattr(request, "lora_int_id", 0) or None
             for i in range(len(hashes), num_full_blocks):
-                parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs])
+                parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], lora if i == 0 else None)
                 hashes.append(parent)
         return hashes
 

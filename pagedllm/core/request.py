@@ -65,6 +65,9 @@ class Request:
     # Draft tokens proposed for the next step (speculative decoding); the scheduler schedules them after
     # the last known token, and the step's verification decides which of them join output_token_ids.
     spec_token_ids: list[int] = field(default_factory=list)
+    # the LoRA adapter it runs with (pagedllm/lora), 0 for the base model: the runner's slot, the scheduler's
+    # max_loras limit, and a key of its first block's prefix hash (two adapters never share KV)
+    lora_int_id: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -53,6 +53,9 @@ class Scheduler:
         self._order: dict[str, int] = {}  # breaks arrival_time ties by add order
         self._next_order = 0
         self.runner_sync = RunnerSync()  # what the model runners hold of each request
+        # LoRA (pagedllm/lora): adapters the running requests may use at once (the runner's device slots);
+        # 0 = no limit (no adapters)
+        self.max_loras = 0
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -149,6 +152,14 @@ class Scheduler:
             return "wait"
         return self._sibling_action(request)
 
+    def _lora_waits(self, request: Request) -> bool:
+        """Its adapter is not among the running requests' and they already use max_loras adapters: it
+        waits (keeping its place) until one of theirs finishes, as vLLM's scheduler does."""
+        if not self.max_loras or not request.lora_int_id:
+            return False
+        active = {r.lora_int_id for r in self.running if r.lora_int_id}
+        return request.lora_int_id not in active and len(active) >= self.max_loras
+
     def _drop_pending(self, request: Request) -> None:
         group = self._fork_groups.get(request.group_id)
         if group is None:
@@ -244,7 +255,7 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.scheduler_config.max_num_seqs:
                 request = self.waiting.peek_request()
                 action = self._admission_action(request)
-                if action == "wait":
+                if action == "wait" or self._lora_waits(request):
                     skipped.append(self.waiting.pop_request())
                     continue
                 if action == "fork":

@@ -31,6 +31,7 @@ class NewRequestData:
     seed: int | None  # its sampling generator's seed (n siblings: the request's seed + index)
     block_ids: list[int]
     num_computed_tokens: int
+    lora_int_id: int = 0  # its LoRA adapter (0: the base model)
 
 
 @dataclass
@@ -107,6 +108,7 @@ class RunnerSync:
                         req.seed,
                         list(req.block_ids),
                         req.num_computed_tokens,
+                        req.lora_int_id,
                     )
                 )
             else:

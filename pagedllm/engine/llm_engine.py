@@ -27,6 +27,7 @@ from pagedllm.engine.kv_view import KVCacheView
 from pagedllm.errors import InputError
 from pagedllm.executor import Executor, make_executor
 from pagedllm.executor.worker import WorkerConfig
+from pagedllm.lora.request import LoRARequest, check_lora_options
 from pagedllm.model.build import resolve_quantization
 from pagedllm.model.loader import read_model_config, resolve_model_path
 from pagedllm.model.tensor_parallel import check_shardable
@@ -165,6 +166,10 @@ class LLMEngine:
         tensor_parallel_size: int = 1,
         batch_invariant: bool = False,
         scheduling_policy: str = "fcfs",
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ):
         """tensor_parallel_size: the model split over that many worker processes on this machine
         (executor/multiproc.py; gloo); 1 runs it in this process. Either way this process reads only the
@@ -184,6 +189,16 @@ class LLMEngine:
             if value is not None and value < 1:
                 raise InputError(f"{name} must be at least 1, got {value}", param=name)
         check_scheduling_policy(scheduling_policy)
+        # LoRA adapters (pagedllm/lora): add_request(lora_request=...) names one; add_lora registers one
+        self.lora_config = check_lora_options(
+            enable_lora,
+            max_loras,
+            max_lora_rank,
+            max_cpu_loras,
+            tensor_parallel_size=tensor_parallel_size,
+            speculative=speculative_config is not None,
+            batch_invariant=batch_invariant,
+        )
         self.dtype = resolve_dtype(dtype)
         kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
         if kv_cache_memory is not None:
@@ -240,9 +255,12 @@ class LLMEngine:
                 tensor_parallel_size,
                 seed,
                 batch_invariant=self.batch_invariant,
+                lora_config=self.lora_config,
             ),
             show_progress,
         )
+        if self.lora_config is not None:
+            self.scheduler.max_loras = self.lora_config.max_loras
         self._start_speculation(draft)
         tokens = num_kv_blocks * block_size
         logger.info(
@@ -312,9 +330,12 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """priority: lower runs first under scheduling_policy "priority"; fcfs takes only 0 (vLLM's rule)."""
+        """priority: lower runs first under scheduling_policy "priority"; fcfs takes only 0 (vLLM's rule).
+        lora_request: the adapter to run it with (registered here on first use; enable_lora engines only)."""
         params = params or SamplingParams()
+        lora_int_id = self.add_lora(lora_request) if lora_request is not None else 0
         if type(priority) is not int:
             raise InputError(f"priority must be an integer, got {priority!r}", param="priority")
         if priority != 0 and self.scheduler_config.policy != "priority":
@@ -369,6 +390,7 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=now,
                 priority=priority,
+                lora_int_id=lora_int_id,
                 group_id=request_id,
                 index=i,
                 seed=None if params.seed is None else (params.seed + i) % 2**64,  # a uint64 seed
@@ -394,6 +416,24 @@ class LLMEngine:
         self._groups[request_id] = group
         for req in group.children:
             self.scheduler.add_request(req)
+
+    # ---- LoRA adapters ----------------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> int:
+        """Register an adapter (its folder read and checked now: InputError naming what is wrong); returns
+        its lora_int_id. Registering it again is a no-op."""
+        if self.lora_config is None:
+            raise InputError("LoRA adapters need an engine built with enable_lora=True", param="lora_request")
+        manager = self.runner.lora
+        if manager.registered.get(lora_request.lora_int_id) != lora_request:
+            manager.add_adapter(lora_request)
+        return lora_request.lora_int_id
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (requests running with it finish with it); False if it was not registered."""
+        return self.lora_config is not None and self.runner.lora.remove_adapter(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [] if self.lora_config is None else list(self.runner.lora.registered.values())
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.pooling_engine import PoolingEngine, PoolingInput, is_pooling_model
 from pagedllm.errors import InputError
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -86,10 +87,13 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns their outputs in input order. A prompt is text, token ids, or
         vLLM's prompt dicts ({"prompt": text} or {"prompt_token_ids": ids}). priority: one per prompt, lower
-        first, for an LLM made with scheduling_policy="priority" (fcfs takes only 0s)."""
+        first, for an LLM made with scheduling_policy="priority" (fcfs takes only 0s). lora_request: the
+        adapter of every prompt, or one per prompt (None: the base model), for an LLM made with
+        enable_lora=True."""
         if self.pooling_engine is not None:
             raise InputError("this LLM holds an embedding or scoring model: use embed or score", "model")
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
@@ -111,12 +115,20 @@ class LLM:
             priority = [0] * len(prompts)
         elif len(priority) != len(prompts):
             raise InputError(f"got {len(priority)} priorities for {len(prompts)} prompts", param="priority")
+        if isinstance(lora_request, list):
+            if len(lora_request) != len(prompts):
+                raise InputError(
+                    f"got {len(lora_request)} lora_requests for {len(prompts)} prompts", param="lora_request"
+                )
+            loras = lora_request
+        else:
+            loras = [lora_request] * len(prompts)
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         engine = self.llm_engine
         added: list[str] = []
         try:
-            for rid, prompt, p, rank in zip(ids, prompts, params, priority):
-                engine.add_request(rid, prompt, p, priority=rank)
+            for rid, prompt, p, rank, lora in zip(ids, prompts, params, priority, loras):
+                engine.add_request(rid, prompt, p, priority=rank, lora_request=lora)
                 added.append(rid)
         except BaseException:  # a refused prompt: none of this call's requests stays in the engine
             engine.abort_request(added)

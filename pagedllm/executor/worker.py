@@ -21,6 +21,8 @@ import torch
 from pagedllm import ops
 from pagedllm.config import CacheConfig
 from pagedllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from pagedllm.lora.manager import LoRAModelManager
+from pagedllm.lora.request import LoRAConfig
 from pagedllm.model.build import load_model_for_inference
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -40,6 +42,7 @@ class WorkerConfig:
     num_threads: int = 0  # each rank's torch threads (MultiprocExecutor sets them)
     init_method: str = ""  # tcp://127.0.0.1:PORT, where the ranks meet (MultiprocExecutor sets it)
     batch_invariant: bool = False  # --batch-invariant: the model built under ops.batch_invariant(), run so
+    lora_config: LoRAConfig | None = None  # --enable-lora: the model's linears take adapters (pagedllm/lora)
 
 
 def make_runner(config: WorkerConfig, rank: int = 0, show_progress: bool = False) -> ModelRunner:
@@ -55,7 +58,7 @@ def make_runner(config: WorkerConfig, rank: int = 0, show_progress: bool = False
             tp_size=config.tp_size,
             show_progress=show_progress,
         )
-    return ModelRunner(
+    runner = ModelRunner(
         model,
         local_config,
         config.cache_config,
@@ -63,6 +66,9 @@ def make_runner(config: WorkerConfig, rank: int = 0, show_progress: bool = False
         samples=rank == 0,
         batch_invariant=config.batch_invariant,
     )
+    if config.lora_config is not None:
+        runner.lora = LoRAModelManager(model, local_config, config.lora_config, config.dtype)
+    return runner
 
 
 def run_worker(rank: int, config: WorkerConfig, conn: Connection) -> None:

@@ -28,6 +28,7 @@ class CachedRequestState:
     generator: torch.Generator | None
     block_ids: list[int]
     num_computed_tokens: int
+    lora_int_id: int = 0  # its LoRA adapter (0: the base model)
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> CachedRequestState:
@@ -41,6 +42,7 @@ class CachedRequestState:
             generator,
             new.block_ids,
             new.num_computed_tokens,
+            new.lora_int_id,
         )
 
     @property

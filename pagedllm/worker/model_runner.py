@@ -58,6 +58,7 @@ class ModelRunner:
         or chunked; the model must have been built under ops.batch_invariant() (InputError naming what
         would still depend on the batch)."""
         self.model = model
+        self.lora = None  # a lora.manager.LoRAModelManager when the engine serves adapters (executor/worker.py)
         self.batch_invariant = batch_invariant
         self.samples = samples
         self.input_batch = InputBatch()
@@ -123,6 +124,8 @@ class ModelRunner:
         )
         # decodes (one new token) and decode rows first: the attention backend attends them in one call
         order = sorted(requests, key=lambda r: num_new[r.request_id] != 1 and r.request_id not in rows_of)
+        if self.lora is not None:  # each request's rows (num_new of them, in this order) to its adapter's slot
+            self.lora.set_batch([(r.lora_int_id, num_new[r.request_id]) for r in order])
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []

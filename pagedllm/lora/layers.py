@@ -1,0 +1,93 @@
+"""LoRALinear: a served decoder linear plus the stacked weights of the adapters in the device slots.
+
+It wraps whatever linear the model serves with (float nn.Linear, prepacked bf16, int8/int4/GGUF QuantLinear,
+a fused qkv or gate_up): the base runs as before, once for all rows, and the adapters' product (the `lora`
+op, punica.py) is added after it in the activations' dtype; the base stays quantized, the adapters float.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.lora.punica import lora_shrink_expand
+
+
+class LoRABatch:
+    """This step's row -> slot assignment, shared by every LoRALinear of the model (set by the manager
+    before each forward). `mask(n)`: the [T, S * n * R] row mask for linears of n slices, built once a step."""
+
+    def __init__(self, num_slots: int, rank: int):
+        self.num_slots, self.rank = num_slots, rank
+        self.active = False  # any row with an adapter this step; a base-only step adds nothing
+        self._one_hot: torch.Tensor | None = None  # [T, S]
+        self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def set(self, row_slots: torch.Tensor | None) -> None:
+        """row_slots: [T] slot of each row, -1 for base rows; None: no adapter row this step."""
+        self._masks.clear()
+        if row_slots is None:
+            self.active, self._one_hot = False, None
+            return
+        self.active = True
+        one_hot = torch.zeros(row_slots.shape[0], self.num_slots + 1)
+        one_hot[torch.arange(row_slots.shape[0]), row_slots.clamp(min=-1) + 1] = 1.0
+        self._one_hot = one_hot[:, 1:]  # column 0 took the base rows
+
+    def mask(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (n, dtype)
+        if key not in self._masks:
+            self._masks[key] = self._one_hot.to(dtype).repeat_interleave(n * self.rank, dim=1)
+        return self._masks[key]
+
+
+class LoRALinear(nn.Module):
+    """base(x) + every row's adapter product. slices: (PEFT module name, output width) in the base's
+    output order, e.g. (("q_proj", 1024), ("k_proj", 256), ("v_proj", 256)) for a fused qkv."""
+
+    def __init__(
+        self,
+        base: nn.Module,
+        in_features: int,
+        slices: tuple[tuple[str, int], ...],
+        batch: LoRABatch,
+        dtype: torch.dtype,
+    ):
+        super().__init__()
+        self.base = base
+        self.slices = slices
+        self.batch = batch
+        s, n, r = batch.num_slots, len(slices), batch.rank
+        self.out_offsets = [sum(w for _, w in slices[:i]) for i in range(n)]
+        out = sum(w for _, w in slices)
+        # buffers, not parameters: load_weights / state_dict of the base model never see them
+        self.register_buffer("lora_a", torch.zeros(s * n * r, in_features, dtype=dtype), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(out, s * n * r, dtype=dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if not self.batch.active:
+            return y
+        mask = self.batch.mask(len(self.slices), self.lora_a.dtype)
+        delta = lora_shrink_expand(x.to(self.lora_a.dtype), self.lora_a, self.lora_b, mask)
+        return y + delta.to(y.dtype)
+
+    def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write one adapter's slices into `slot` (zeros where it has no adapter for a slice)."""
+        n, r = len(self.slices), self.batch.rank
+        first = slot * n * r
+        with torch.no_grad():
+            self.lora_a[first : first + n * r] = 0
+            self.lora_b[:, first : first + n * r] = 0
+            for i, (name, width) in enumerate(self.slices):
+                if name not in weights:
+                    continue
+                a, b = weights[name]
+                rank = a.shape[0]
+                row = first + i * r
+                self.lora_a[row : row + rank] = a
+                off = self.out_offsets[i]
+                self.lora_b[off : off + width, row : row + rank] = b
+
+    def clear_slot(self, slot: int) -> None:
+        self.set_slot(slot, {})
