@@ -2,6 +2,7 @@
 
 .venv/bin/python scripts/profile_step.py gguf 1      # single stream, the default model's GGUF blocks
 .venv/bin/python scripts/profile_step.py none 32     # 32 W32 sequences, bf16
+PAGEDLLM_PROFILE_MODEL=/tmp/models/llama1b-q4_k_m.gguf .venv/bin/python scripts/profile_step.py none 1   # a file
 
 It runs N W32 prompts about 40 steps in, then (1) times 100 steps with the step's parts wrapped (the
 scheduler, building the inputs, the model, the lm_head, sampling) and (2) alternates 5 x 8 steps with
@@ -10,6 +11,7 @@ and without the decode stack (model/decode_stack.py), printing each median.
 
 import collections
 import json
+import os
 import statistics
 import sys
 import time
@@ -22,7 +24,9 @@ W32 = Path(__file__).resolve().parents[1].parent / "shared" / "bench" / "w32.jso
 
 quantization = None if sys.argv[1:2] in ([], ["none"]) else sys.argv[1]
 num_seqs = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-engine = LLM(show_progress=False, quantization=quantization).llm_engine
+model_path = os.environ.get("PAGEDLLM_PROFILE_MODEL")  # a GGUF file or HF folder instead of the default
+kwargs = {"model": model_path, "kv_cache_memory": "1GiB"} if model_path else {}
+engine = LLM(show_progress=False, quantization=quantization, **kwargs).llm_engine
 prompts = [json.loads(line)["prompt"] for line in W32.read_text().splitlines()]
 for i, prompt in enumerate(prompts[:num_seqs]):
     engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=600, ignore_eos=True))

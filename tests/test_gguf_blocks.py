@@ -136,9 +136,10 @@ def test_super_blocks_give_the_decoded_scales_exactly(type_name):
 )
 @pytest.mark.parametrize("type_name", gguf_blocks.K_QUANTS)
 def test_two_level_layout_runs_the_float_layout_bit_for_bit(type_name):
-    """The AVX2 layout keeps a K-quant's super-blocks (int8 codes + a float32 super-scale): fewer bytes than
-    float32 scales and mins, and the same numbers: equal outputs at every row count, and unpack / super-
-    blocks give the weight back exactly; merged layers (q, k, v) keep the form."""
+    """The AVX2 layout keeps a K-quant's super-blocks (int8 codes + a float16 super-scale, as the file has
+    it; Q6_K no mins at all, they are -32 x its scales): fewer bytes than float32 scales and mins, and the
+    same numbers: equal outputs at every row count, and unpack / super-blocks give the weight back exactly;
+    merged layers (q, k, v) keep the form."""
     from pagedllm.quantization import avx2
 
     shape = (40, 512)  # 40 rows: a padded last panel
@@ -149,7 +150,8 @@ def test_two_level_layout_runs_the_float_layout_bit_for_bit(type_name):
     two = avx2.pack(codes, scales, mins, bits, sb)
     flat = avx2.pack(codes, scales, mins, bits)
     assert two[1].dtype == torch.uint8 and flat[1].dtype == torch.float32
-    assert two[1].nbytes + two[2].nbytes < 0.4 * (flat[1].nbytes + flat[2].nbytes)  # 1 + 4/sb B, not 4
+    assert two[1].nbytes + two[2].nbytes < 0.4 * (flat[1].nbytes + flat[2].nbytes)  # 1 + 2/sb B, not 4
+    assert (two[2].numel() == 0) == (type_name == "Q6_K") == (flat[2].numel() == 0)
     for rows in (1, 5, 33):
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)

@@ -84,16 +84,22 @@ def pack(
     -> (codes, scales, mins) in the kernel's layout (csrc/woq_avx2.h): codes uint8 [panels, K/32, 128 (4-bit)
     | 256 (8-bit)], each panel of 8 output columns interleaved 4 inputs a column; scales / mins in the
     smallest form that holds them exactly: [panels, G, 8] float16 (GGUF's Q4_0 / Q8_0 ...: 0.25 B a weight
-    less to stream at decode than float32), two-level uint8 [panels, G / sb, 32 + 8 sb] where `superblocks`
-    (GGUF's K-quants) factors them, else float32."""
+    less to stream at decode than float32), two-level uint8 [panels, G / sb, 16 + 8 sb] where `superblocks`
+    (GGUF's K-quants) factors them, else float32. GGUF Q6_K (6-bit codes, group 16, mins = -32 x scales)
+    keeps no mins at all: an empty tensor, the kernel derives them (0.08 B a weight less to stream)."""
     if bits not in (4, 8):
         raise ValueError(f"avx2.pack: bits must be 4 or 8, got {bits}")
     n, k = codes.shape
     if k % BLOCK or scales.shape != mins.shape or scales.shape[0] != n or k % scales.shape[1]:
         raise ValueError(f"avx2.pack: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} do not fit")
     panels = -(-n // COLS)
-    if bits == 8 and scales.shape[1] * HALF_GROUP == k and int(codes.max()) < 64:
-        bits = 6  # GGUF Q6_K: its 6-bit codes in 6 bits (csrc/woq_avx2.h's panel_kernel_q6)
+    if (
+        bits == 8
+        and scales.shape[1] * HALF_GROUP == k
+        and int(codes.max()) < 64
+        and torch.equal(mins, -32 * scales)
+    ):
+        bits = 6  # GGUF Q6_K: its 6-bit codes in 6 bits and no mins (csrc/woq_avx2.h's panel_kernel_q6)
     c = torch.zeros(panels * COLS, k, dtype=torch.uint8)
     c[:n] = codes
     # [panel, column, block, quad, i] -> [panel, block, quad, column, i]: byte 4c + i of quad j's vector
@@ -108,24 +114,46 @@ def pack(
     else:
         c = c ^ 0x80  # q - 128 as int8's bit pattern
     c = c.reshape(panels, k // BLOCK, bits * 32).contiguous()
-    if superblocks is not None and _factors(superblocks, scales, mins):  # the smallest form: try it first
+    if superblocks is not None and _factors(
+        superblocks, scales, mins, with_mins=bits != 6
+    ):  # the smallest form
         sb = superblocks.groups
+        s = _two_level(superblocks.d, superblocks.scale_codes, sb, panels)
         return (
             c,
-            _two_level(superblocks.d, superblocks.scale_codes, sb, panels),
-            _two_level(superblocks.dmin, superblocks.min_codes, sb, panels),
+            s,
+            _no_mins(s) if bits == 6 else _two_level(superblocks.dmin, superblocks.min_codes, sb, panels),
         )
     s, m = _by_panel(scales.float(), panels), _by_panel(mins.float(), panels)
     if exact_in_float16(s) and exact_in_float16(m):
-        return c, s.half(), m.half()
-    return c, s, m
+        s, m = s.half(), m.half()
+    return c, s, _no_mins(s) if bits == 6 else m
 
 
-def _factors(sb: SuperBlocks, scales: torch.Tensor, mins: torch.Tensor) -> bool:
+def _no_mins(scales: torch.Tensor) -> torch.Tensor:
+    """The mins of a 6-bit (Q6_K) layout: none stored, the kernel takes -32 x the scales (exact)."""
+    return scales.new_empty(0)
+
+
+def _mins(layout: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The layout's mins tensor in the scales' form: Q6_K's derived as -32 x the scales, where not stored.
+    Two-level: the super-scales times -32 (a power of two: exact), the same int8 codes."""
+    _, s, m = layout
+    if m.numel() or not s.numel():
+        return m
+    if s.dtype != torch.uint8:
+        return -32 * s
+    d = s[..., :16].contiguous().view(torch.float16) * -32
+    return torch.cat((d.view(torch.uint8), s[..., 16:]), dim=-1)
+
+
+def _factors(sb: SuperBlocks, scales: torch.Tensor, mins: torch.Tensor, with_mins: bool = True) -> bool:
     """Whether the super-blocks give exactly these scales and mins (and fit the kernel: a power-of-two count
-    of groups a super-block)."""
+    of groups a super-block, float16 super-scales as GGUF stores them)."""
     g = sb.groups
     if g < 1 or g & (g - 1) or scales.shape[1] % g or sb.scale_codes.shape != scales.shape:
+        return False
+    if not exact_in_float16(sb.d.float()) or (with_mins and not exact_in_float16(sb.dmin.float())):
         return False
 
     n = scales.shape[0]
@@ -133,16 +161,17 @@ def _factors(sb: SuperBlocks, scales: torch.Tensor, mins: torch.Tensor) -> bool:
     def equal(d: torch.Tensor, q: torch.Tensor, want: torch.Tensor) -> bool:
         return torch.equal(d.float().unsqueeze(-1) * q.view(n, -1, g), want.float().view(n, -1, g))
 
-    return equal(sb.d, sb.scale_codes, scales) and equal(sb.dmin, sb.min_codes, mins)
+    return equal(sb.d, sb.scale_codes, scales) and (not with_mins or equal(sb.dmin, sb.min_codes, mins))
 
 
 def _two_level(d: torch.Tensor, q: torch.Tensor, sb: int, panels: int) -> torch.Tensor:
-    """d float32 [N, S], q int8 [N, S * sb] -> uint8 [panels, S, 32 + 8 sb]: per super-block the 8 columns'
-    d (float32 bytes), then sb groups x 8 columns of int8 codes (csrc/woq_avx2.h's TwoLevelScales)."""
-    d_p = _by_panel(d.float(), panels)  # [panels, S, 8]
+    """d [N, S] (exact in float16), q int8 [N, S * sb] -> uint8 [panels, S, 16 + 8 sb]: per super-block the
+    8 columns' d (float16 bytes, as GGUF stores it), then sb groups x 8 columns of int8 codes
+    (csrc/woq_avx2.h's TwoLevelScales)."""
+    d_p = _by_panel(d.float(), panels).half()  # [panels, S, 8]
     q_p = _by_panel(q.float(), panels).to(torch.int8)  # [panels, S * sb, 8]
     supers = d_p.shape[1]
-    d_bytes = d_p.contiguous().view(torch.uint8)  # [panels, S, 32]
+    d_bytes = d_p.contiguous().view(torch.uint8)  # [panels, S, 16]
     q_bytes = q_p.view(torch.uint8).reshape(panels, supers, sb * COLS)
     return torch.cat((d_bytes, q_bytes), dim=2).contiguous()
 
@@ -150,8 +179,8 @@ def _two_level(d: torch.Tensor, q: torch.Tensor, sb: int, panels: int) -> torch.
 def _split_two_level(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """_two_level's bytes -> (d float32 [panels, S, 8], q float32 [panels, S * sb, 8])."""
     panels, supers, width = t.shape
-    d = t[..., :32].contiguous().view(torch.float32)
-    q = t[..., 32:].contiguous().view(torch.int8).reshape(panels, supers * ((width - 32) // COLS), COLS)
+    d = t[..., :16].contiguous().view(torch.float16).float()
+    q = t[..., 16:].contiguous().view(torch.int8).reshape(panels, supers * ((width - 16) // COLS), COLS)
     return d, q.float()
 
 
@@ -166,6 +195,7 @@ def superblocks(layout: tuple[torch.Tensor, ...], out_features: int) -> SuperBlo
     _, s, m = layout
     if s.dtype != torch.uint8:
         return None
+    m = _mins(layout)
     (sd, sq), (md, mq) = _split_two_level(s), _split_two_level(m)
     groups = sq.shape[1] // sd.shape[1]
     int8 = [_columns(t, out_features).to(torch.int8) for t in (sq, mq)]
@@ -198,7 +228,8 @@ def unpack(
             t = d.repeat_interleave(q.shape[1] // d.shape[1], dim=1) * q
         return _columns(t, out_features)
 
-    return c, groups(s), groups(m)
+    scales = groups(s)
+    return c, scales, groups(m) if m.numel() else -32 * scales  # Q6_K's mins: -32 x its scales
 
 
 def rows(
@@ -227,7 +258,8 @@ def rows(
         d, q = d[at, :, col], q[at, :, col]
         return d.repeat_interleave(q.shape[1] // d.shape[1], dim=1) * q
 
-    return c, groups(s), groups(m)
+    scales = groups(s)
+    return c, scales, groups(m) if m.numel() else -32 * scales  # Q6_K's mins: -32 x its scales
 
 
 def matmul(

@@ -25,11 +25,13 @@ static at::Tensor check_args(const at::Tensor& x, const at::Tensor& codes, const
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3 &&
                   codes.size(0) == panels && codes.size(1) == K / kBlock && codes.size(2) == bits * 32,
               "woq_avx2: codes do not match x's K, N and bits");
-  TORCH_CHECK(scales.scalar_type() == mins.scalar_type() && scales.sizes() == mins.sizes() && scales.is_contiguous() &&
-                  mins.is_contiguous(),
+  if (bits == 6)
+    TORCH_CHECK(mins.numel() == 0, "woq_avx2: the 6-bit (Q6_K) layout keeps no mins (-32 x the scales)");
+  TORCH_CHECK(scales.is_contiguous() && (bits == 6 || (scales.scalar_type() == mins.scalar_type() &&
+                                                       scales.sizes() == mins.sizes() && mins.is_contiguous())),
               "woq_avx2: scales and mins must be contiguous and of one form");
   const int64_t groups = K / group_size;
-  if (scales.scalar_type() == at::kByte) {  // two-level: [panels, groups / sb, 32 + 8 sb] (woq_avx2::scale_ref)
+  if (scales.scalar_type() == at::kByte) {  // two-level: [panels, groups / sb, 16 + 8 sb] (woq_avx2::scale_ref)
     const woq_avx2::ScaleRef ref = woq_avx2::scale_ref(scales);
     TORCH_CHECK(scales.size(0) == panels && groups % (int64_t(1) << ref.shift) == 0 &&
                     scales.size(1) == groups >> ref.shift,

@@ -30,7 +30,8 @@
 //          k = 4v + i (low nibble) and k = 16 + 4v + i (high nibble).
 //   8-bit, 256 bytes a block: 8 vectors; in vector j, byte 4c + i holds (q - 128) as int8 for k = 4j + i.
 //   scales, mins: [panels, groups, 8] float16 when float16 holds them exactly (GGUF), two-level for GGUF's
-//          K-quant super-blocks (FlatScales / TwoLevelScales below), else float32.
+//          K-quant super-blocks (FlatScales / TwoLevelScales below), else float32. The 6-bit form (Q6_K)
+//          keeps no mins: they are -32 x the scales (panel_kernel_q6).
 // Why this order: one 32-bit broadcast of 4 activation bytes against a 32-byte vector gives the 8 columns'
 // 4-term dot products in 8 separate int32 lanes (VPMADDUBSW then VPMADDWD), so no horizontal sums are ever
 // needed and one unpacked weight vector is reused across up to 8 activation rows (kRows)
@@ -152,11 +153,11 @@ inline int32_t hsum(__m256i v) {
 // The scales (or the mins) of a layer in one of avx2.pack's three forms, read group by group:
 //   float32 or float16 [panels, groups, 8]: one value a group and column (float16 where it holds them all
 //            exactly, as GGUF's d and m do);
-//   two-level [panels, groups / sb, 32 + 8 sb] bytes (GGUF's K-quant super-blocks, sb groups each): per super-
-//            block 8 float32 super-scales (one a column), then sb x 8 int8 codes; a group's value is
-//            super-scale * code, which the pack verified to be exact in float32, so the kernel reads the same
-//            numbers as from the float32 form at 4.75 bits a weight for Q4_K instead of 6 (and 9.25 instead of
-//            12 for Q6_K): decode streams the weights, so bytes are time.
+//   two-level [panels, groups / sb, 16 + 8 sb] bytes (GGUF's K-quant super-blocks, sb groups each): per
+//            super-block 8 float16 super-scales (one a column, as the file stores d and dmin), then sb x 8
+//            int8 codes; a group's value is super-scale * code, which the pack verified to be exact in
+//            float32, so the kernel reads the same numbers as from the float32 form at 4.625 bits a weight for
+//            Q4_K instead of 6 (and 6.56 for Q6_K, mins derived): decode streams the weights, so bytes are time.
 // `panel(p, groups)` moves to panel p; `at(g)` gives group g's 8 values; `addr(g)` is for prefetching.
 template <typename T>
 struct FlatScales {
@@ -169,12 +170,12 @@ struct FlatScales {
 struct TwoLevelScales {
   const uint8_t* p;
   int shift;       // log2 of the groups a super-block (sb)
-  int64_t stride;  // bytes a super-block: 32 + 8 sb
+  int64_t stride;  // bytes a super-block: 16 + 8 sb
   __m256 at(int64_t g) const {
     const uint8_t* block = p + (g >> shift) * stride;
-    const int8_t* codes = reinterpret_cast<const int8_t*>(block + 32 + (g & ((int64_t(1) << shift) - 1)) * kCols);
+    const int8_t* codes = reinterpret_cast<const int8_t*>(block + 16 + (g & ((int64_t(1) << shift) - 1)) * kCols);
     const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes))));
-    return _mm256_mul_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(block)), c);
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block))), c);
   }
   const void* addr(int64_t g) const { return p + (g >> shift) * stride; }
   TwoLevelScales panel(int64_t i, int64_t groups) const { return {p + i * (groups >> shift) * stride, shift, stride}; }
@@ -192,9 +193,9 @@ struct ScaleRef {
 inline ScaleRef scale_ref(const at::Tensor& t) {
   if (t.scalar_type() == at::kFloat) return {ScaleRef::kF32, t.data_ptr()};
   if (t.scalar_type() == at::kHalf) return {ScaleRef::kF16, t.data_ptr()};
-  TORCH_CHECK(t.scalar_type() == at::kByte && t.dim() == 3 && t.size(2) > 32 && (t.size(2) - 32) % kCols == 0,
-              "woq_avx2: two-level scales must be uint8 [panels, super-blocks, 32 + 8 sb]");
-  const int64_t sb = (t.size(2) - 32) / kCols;
+  TORCH_CHECK(t.scalar_type() == at::kByte && t.dim() == 3 && t.size(2) > 16 && (t.size(2) - 16) % kCols == 0,
+              "woq_avx2: two-level scales must be uint8 [panels, super-blocks, 16 + 8 sb]");
+  const int64_t sb = (t.size(2) - 16) / kCols;
   TORCH_CHECK(sb > 0 && (sb & (sb - 1)) == 0, "woq_avx2: a super-block's groups must be a power of two");
   int shift = 0;
   while ((int64_t(1) << shift) < sb) ++shift;
@@ -396,14 +397,15 @@ inline void panel_kernel_g16(const QuantizedX& a, int64_t row0, const uint8_t* c
 }
 
 // GGUF Q6_K with its codes in 6 bits, group 16 (what panel_kernel_g16 runs on 8-bit codes, at 3/4 of the
-// bytes: decode streams the weights, so bytes are time). A block's 192 bytes a panel: the 4-bit layout's 4
+// bytes: decode streams the weights, so bytes are time), and no mins read: Q6_K's are -32 x its scales, a
+// multiply by a power of two (exact), so the layout stores none (`mn` is never read). A block's 192 bytes a panel: the 4-bit layout's 4
 // nibble vectors (vector v: k = 4v + i low, k = 16 + 4v + i high), then two vectors of the codes' top 2 bits:
 // byte 4c + i of plane h holds those of k = 16h + 4t + i in bits 2t, 2t + 1 (t = 0..3). The codes 0..63 are
 // VPMADDUBSW's unsigned operand as they are (a pair at most 2 * 63 * 127 = 16002 < 32767), so no q - 128
 // shift: s q + m with the file's m = -32 s. The integer sums are the 8-bit path's exactly; the float steps
 // apply m rather than m + 128 s, so results agree within float32 rounding, not bit for bit.
 template <int R, typename S>
-inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* codes, S sc, S mn,
+inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* codes, S sc, S,
                             int64_t prefetch_groups, float (*res)[kCols]) {
   constexpr int64_t kBlockBytes = block_bytes(6);
   const int64_t K = a.K, nb = K / kBlock;
@@ -418,9 +420,9 @@ inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* co
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i nibble = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
+  const __m256 minus32 = _mm256_set1_ps(-32.f);
   for (int64_t b = 0; b < nb; ++b) {
     _mm_prefetch(reinterpret_cast<const char*>(sc.addr(2 * b + prefetch_groups)), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(mn.addr(2 * b + prefetch_groups)), _MM_HINT_T0);
     const uint8_t* c = codes + b * kBlockBytes;
     for (int64_t line = 0; line < kBlockBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchBytes + line), _MM_HINT_T0);
@@ -440,7 +442,7 @@ inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* co
         }
       }
       const __m256 s = sc.at(g);
-      const __m256 m = mn.at(g);
+      const __m256 m = _mm256_mul_ps(s, minus32);
       for (int r = 0; r < R; ++r) {
         const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(xd[r][b]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
@@ -546,7 +548,8 @@ void matmul_into(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S
   });
   const int64_t panel_work = nb * block_bytes(bits) * M;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / panel_work);
-  with_scales(scales, mins, [&](auto sc, auto mn) {
+  // Q6_K's layout keeps no mins (panel_kernel_q6 derives them): its scales stand in, never read as mins
+  with_scales(scales, bits == 6 ? scales : mins, [&](auto sc, auto mn) {
     using S = decltype(sc);
     at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
       if (bits == 4)
@@ -570,7 +573,7 @@ inline at::Tensor matmul_tensor(const at::Tensor& x, const at::Tensor& codes, co
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, N}, x.options());
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  const ScaleRef sc = scale_ref(scales), mn = scale_ref(mins);
+  const ScaleRef sc = scale_ref(scales), mn = bits == 6 ? sc : scale_ref(mins);  // Q6_K: no mins kept
   if (x.scalar_type() == at::kFloat)
     matmul_into(x.data_ptr<float>(), M, K, codes.data_ptr<uint8_t>(), sc, mn, bits,
                 group_size, bp, N, out.data_ptr<float>());
