@@ -89,6 +89,7 @@ def _engine_metrics(by_replica: Mapping[str | None, Any]) -> Iterator[Metric]:
             for label, stats in by_replica.items():
                 metric.add_metric(key(label), value(stats, attr))
             yield metric
+    yield from _offload_metrics(by_replica, family, key)
     # vLLM's speculative-decoding counters; absent while speculation is off (as in vLLM)
     specs = {k: s.spec_decode for k, s in by_replica.items() if getattr(s, "spec_decode", None) is not None}
     if not specs:
@@ -112,6 +113,41 @@ def _engine_metrics(by_replica: Mapping[str | None, Any]) -> Iterator[Metric]:
         for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
             per_pos.add_metric([*key(label), str(pos)], n)
     yield per_pos
+
+
+# --kv-offload-dir (engine/kv_offload.py): vLLM's names for a KV connector's hits, then the disk store's own
+_OFFLOAD_COUNTERS = (
+    (
+        "external_prefix_cache_queries",
+        "Prompt tokens looked up on disk after a prefix-cache miss.",
+        "queries",
+    ),
+    ("external_prefix_cache_hits", "Prompt tokens read back from disk instead of computed.", "hits"),
+    ("kv_offload_blocks_read", "KV blocks read back from --kv-offload-dir.", "store.blocks_read"),
+    ("kv_offload_bytes_read", "Bytes of KV blocks read back from --kv-offload-dir.", "store.bytes_read"),
+    ("kv_offload_blocks_written", "KV blocks written to --kv-offload-dir.", "store.blocks_written"),
+    ("kv_offload_bytes_written", "Bytes written to --kv-offload-dir.", "store.bytes_written"),
+    ("kv_offload_write_drops", "KV blocks not written: the writer's queue was full.", "store.write_drops"),
+    ("kv_offload_corrupt_files", "Block files that failed their checksum, deleted.", "store.corrupt_files"),
+    ("kv_offload_files_evicted", "Block files deleted by --kv-offload-max-bytes.", "store.files_evicted"),
+)
+
+
+def _offload_metrics(
+    by_replica: Mapping[str | None, Any], family: Callable, key: Callable
+) -> Iterator[Metric]:
+    """The offload counters; absent without --kv-offload-dir."""
+    offload = {k: s.kv_offload for k, s in by_replica.items() if getattr(s, "kv_offload", None) is not None}
+    for name, doc, path in _OFFLOAD_COUNTERS:
+        if not offload:
+            return
+        metric = family(CounterMetricFamily, name, doc)
+        for label, stats in offload.items():
+            value: Any = stats
+            for part in path.split("."):
+                value = getattr(value, part)
+            metric.add_metric(key(label), float(value))
+        yield metric
 
 
 class ServerMetrics:

@@ -53,3 +53,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # Per prompt position (the first is None: nothing predicts it), only when prompt_logprobs was asked for.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # prompt tokens whose KV was found computed (prefix cache, or read back from --kv-offload-dir), vLLM's
+    # num_cached_tokens: usage.prompt_tokens_details.cached_tokens
+    num_cached_tokens: int = 0

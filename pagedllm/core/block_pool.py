@@ -7,6 +7,8 @@ until it reaches the head of the free queue and is handed out again (evicted).
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -19,8 +21,19 @@ BlockHash = int
 
 
 def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int], extra_salt=None) -> BlockHash:
-    """Hash of one FULL block, chained over its parent so equal hashes mean equal whole prefixes."""
-    return hash((parent_hash, tuple(token_ids), extra_salt))
+    """Hash of one FULL block, chained over its parent so equal hashes mean equal whole prefixes.
+
+    blake2b, not hash(): the same prefix must hash the same in every process, because the hashes name
+    blocks on disk (--kv-offload-dir, core/kv_offload.py) and another server reads them back. (hash() of
+    a tuple holding None or a str changes per process.) A signed 64-bit int, as before. extra_salt (e.g.
+    an adapter's name in the first block) enters through its repr, which is stable for str and int."""
+    h = hashlib.blake2b(digest_size=8)
+    if parent_hash is not None:
+        h.update(b"P" + parent_hash.to_bytes(8, "little", signed=True))
+    h.update(array("q", token_ids).tobytes())
+    if extra_salt is not None:
+        h.update(b"S" + repr(extra_salt).encode())
+    return int.from_bytes(h.digest(), "little", signed=True)
 
 
 @dataclass(eq=False)
@@ -52,6 +65,9 @@ class BlockPool:
         self._num_cached_free = 0  # kept as a counter so stats stay O(1)
         # Set only while someone watches the pool (the /kv page): evictions are recorded there.
         self.events: KVEventLog | None = None
+        # Set only with --kv-offload-dir: (block_id, hash) of each cached block evicted since the cache manager
+        # last took them, so that its KV is copied out (and written to disk) before new contents overwrite it.
+        self.evicted: list[tuple[int, BlockHash]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -79,6 +95,8 @@ class BlockPool:
         self._num_cached_free -= 1  # only ever called on a block just taken off the free queue
         if self.events is not None:
             self.events.evicted(block.block_id, block.block_hash)
+        if self.evicted is not None:
+            self.evicted.append((block.block_id, block.block_hash))
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
         block.block_hash = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedllm.core.block_pool import Block, BlockHash, BlockPool, hash_block_tokens
+from pagedllm.core.kv_offload import KVOffloadStore
 from pagedllm.core.request import Request
 
 NULL_BLOCK_ID = -1  # a table entry whose block was freed: wholly before the sliding window
@@ -32,6 +33,15 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+@dataclass
+class OffloadIO:
+    """A step's disk traffic for the runner: blocks to copy out before anything overwrites them (evicted
+    this step; the engine then queues their bytes for the disk) and blocks to fill with bytes read back."""
+
+    save: list[tuple[int, BlockHash]]  # (block_id, hash)
+    load: list[tuple[int, bytes]]  # (block_id, payload)
+
+
 class KVCacheManager:
     def __init__(
         self,
@@ -39,7 +49,10 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         sliding_window: int | None = None,
+        offload: KVOffloadStore | None = None,
     ):
+        """offload: --kv-offload-dir's store. A prefix-cache miss then reads the next blocks from it, and
+        evicted cached blocks are handed out (take_offload_io) to be written there."""
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.num_blocks = num_blocks
@@ -54,6 +67,13 @@ class KVCacheManager:
         self.blocks_to_copy: list[tuple[int, int]] = []
         # How many of a request's leading table entries are NULL_BLOCK_ID (freed out of the window).
         self.num_skipped_blocks: dict[str, int] = {}
+        # --kv-offload-dir: tokens looked up on disk after a prefix-cache miss, and found there (vLLM's
+        # external_prefix_cache_queries / _hits); blocks read this step wait here for the runner
+        self.offload = offload
+        self.offload_lookup_stats = PrefixCacheStats()
+        self._blocks_to_load: list[tuple[int, bytes]] = []
+        if offload is not None:
+            self.block_pool.evicted = []
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -108,10 +128,53 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        num_computed = len(blocks) * self.block_size
         self.prefix_cache_stats.queries += request.num_tokens
-        self.prefix_cache_stats.hits += num_computed
-        return blocks, num_computed
+        self.prefix_cache_stats.hits += len(blocks) * self.block_size
+        if self.offload is not None and len(blocks) < max_blocks:
+            blocks += self._load_offloaded(request, blocks, max_blocks)
+        return blocks, len(blocks) * self.block_size
+
+    def _load_offloaded(self, request: Request, hit: list[Block], max_blocks: int) -> list[Block]:
+        """The blocks after the prefix-cache hit that the disk has, read into fresh blocks and registered
+        in the prefix cache, as if computed (the runner copies the bytes in before this step's forward).
+        As many as the free queue spares; the run stops at the first block absent or bad on disk."""
+        pool = self.block_pool
+        hashes = self.req_block_hashes[request.request_id]
+        start = len(hit)
+        self.offload_lookup_stats.queries += request.num_tokens - start * self.block_size
+        # the hit blocks leave the free queue meanwhile: taking fresh blocks must not evict one of them
+        pool.touch(hit)
+        payloads = []
+        for i in range(start, min(max_blocks, start + pool.num_free_blocks)):
+            payload = self.offload.read(hashes[i])
+            if payload is None:
+                break
+            payloads.append(payload)
+        loaded = pool.get_new_blocks(len(payloads)) if payloads else []
+        for i, (block, payload) in enumerate(zip(loaded, payloads)):
+            pool.cache_full_block(block, hashes[start + i])
+            self._blocks_to_load.append((block.block_id, payload))
+        # back as they were: the request (or a later one) takes them like any cached block; freed tail
+        # first, so that the prefix's first blocks are evicted last
+        pool.free_blocks(reversed(hit + loaded))
+        self.offload_lookup_stats.hits += len(loaded) * self.block_size
+        return loaded
+
+    def take_offload_io(self) -> OffloadIO:
+        """Evicted cached blocks the disk does not have yet, and the blocks read back, since the last call."""
+        evicted = self.block_pool.evicted or []
+        known = self.offload.known if self.offload is not None else set()
+        save = [(block_id, h) for block_id, h in evicted if h not in known]
+        evicted.clear()
+        load, self._blocks_to_load = self._blocks_to_load, []
+        return OffloadIO(save, load)
+
+    def cached_blocks_not_offloaded(self) -> list[tuple[int, BlockHash]]:
+        """(block_id, hash) of every cached block the disk does not have yet: written at shutdown."""
+        known = self.offload.known if self.offload is not None else set()
+        return [
+            (b.block_id, h) for h, b in self.block_pool.cached_block_hash_to_block.items() if h not in known
+        ]
 
     # -- allocation ------------------------------------------------------------------------------
 

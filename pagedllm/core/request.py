@@ -65,6 +65,9 @@ class Request:
     # Draft tokens proposed for the next step (speculative decoding); the scheduler schedules them after
     # the last known token, and the step's verification decides which of them join output_token_ids.
     spec_token_ids: list[int] = field(default_factory=list)
+    # prompt tokens found computed at its first admission: prefix-cache hits plus blocks read from
+    # --kv-offload-dir (usage.prompt_tokens_details.cached_tokens); -1 until admitted
+    num_cached_tokens: int = -1
     # the LoRA adapter it runs with (pagedllm/lora), 0 for the base model: the runner's slot, the scheduler's
     # max_loras limit, and a key of its first block's prefix hash (two adapters never share KV)
     lora_int_id: int = 0

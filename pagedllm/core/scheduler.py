@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.kv_offload import KVOffloadStore
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queue import make_request_queue
 from pagedllm.core.scheduler_output import RunnerSync, SchedulerOutput
@@ -34,7 +35,14 @@ class _ForkGroup:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig):
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        kv_offload: KVOffloadStore | None = None,
+    ):
+        """kv_offload: --kv-offload-dir's store (core/kv_offload.py): prefix-cache misses read blocks from
+        it, and each step's output tells the runner which blocks to copy out for it and which to fill."""
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -43,6 +51,7 @@ class Scheduler:
             cache_config.block_size,
             cache_config.enable_prefix_caching,
             cache_config.sliding_window,
+            kv_offload,
         )
         self.by_priority = scheduler_config.policy == "priority"
         self.waiting = make_request_queue(scheduler_config.policy, self._priority)
@@ -276,6 +285,8 @@ class Scheduler:
                     num_new = min(num_new, budget)
                     if not kv.allocate_slots(request, num_new, computed_blocks):
                         break
+                    if request.num_cached_tokens < 0:  # its first admission (vLLM's num_cached_tokens)
+                        request.num_cached_tokens = num_hit
                 self.waiting.pop_request()
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
@@ -286,13 +297,17 @@ class Scheduler:
 
         total = sum(num_scheduled.values())
         assert total <= self.scheduler_config.max_num_batched_tokens
-        return self.runner_sync.build(
+        out = self.runner_sync.build(
             scheduled,
             num_scheduled,
             kv.take_blocks_to_copy(),
             preempted,
             {r: t for r, t in spec.items() if r not in preempted},
         )
+        if kv.offload is not None:
+            io = kv.take_offload_io()
+            out.kv_blocks_to_save, out.kv_blocks_to_load = io.save, io.load
+        return out
 
     # -- results ---------------------------------------------------------------------------------
 

@@ -57,6 +57,11 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)  # the runner drops their state
     # request id -> the draft tokens it verifies this step (fed after its last known token)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # --kv-offload-dir (core/kv_offload.py), in this order before the forward: (block_id, hash) of evicted
+    # cached blocks to copy out (the runner returns their bytes, the engine queues them for the disk), then
+    # (block_id, bytes) of blocks read back from disk to copy in
+    kv_blocks_to_save: list[tuple[int, int]] = field(default_factory=list)
+    kv_blocks_to_load: list[tuple[int, bytes]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -23,6 +23,7 @@ from pagedllm.core.request_queue import check_scheduling_policy
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.distributed.partition import head_shards
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.kv_offload import KVOffloadEngineStats, KVOffloader, check_kv_offload_options, open_store
 from pagedllm.engine.kv_view import KVCacheView
 from pagedllm.errors import InputError
 from pagedllm.executor import Executor, make_executor
@@ -122,6 +123,7 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     spec_decode: SpecDecodingStats | None = None  # None when speculation is off
+    kv_offload: KVOffloadEngineStats | None = None  # None without --kv-offload-dir
 
     @property
     def num_blocks_in_use(self) -> int:
@@ -166,6 +168,8 @@ class LLMEngine:
         tensor_parallel_size: int = 1,
         batch_invariant: bool = False,
         scheduling_policy: str = "fcfs",
+        kv_offload_dir: str | None = None,
+        kv_offload_max_bytes: int | str | None = None,
         enable_lora: bool = False,
         max_loras: int = 1,
         max_lora_rank: int = 16,
@@ -198,6 +202,15 @@ class LLMEngine:
             tensor_parallel_size=tensor_parallel_size,
             speculative=speculative_config is not None,
             batch_invariant=batch_invariant,
+        )
+        # --kv-offload-dir: the prefix cache's blocks outlive the process (engine/kv_offload.py)
+        spec_method = SpeculativeConfig.parse(speculative_config)
+        offload_max_bytes = check_kv_offload_options(
+            kv_offload_dir,
+            kv_offload_max_bytes,
+            enable_prefix_caching,
+            tensor_parallel_size,
+            spec_method.method if spec_method is not None else None,
         )
         self.dtype = resolve_dtype(dtype)
         kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
@@ -245,7 +258,29 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(
             max_num_seqs, max_num_batched_tokens, self.max_model_len, scheduling_policy
         )
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
+        self.kv_offloader: KVOffloader | None = None
+        if kv_offload_dir is not None:
+            store = open_store(
+                kv_offload_dir,
+                offload_max_bytes,
+                path,
+                quantization=self.quantization,
+                dtype=str(self.dtype),
+                kv_dtype=str(kv_dtype),
+                block_size=block_size,
+                num_layers=cfg.num_layers,
+                num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim,
+                batch_invariant=self.batch_invariant,
+                block_bytes=self.kv_bytes_per_token * block_size,
+            )
+            self.kv_offloader = KVOffloader(store)
+            self.kv_offloader.register_atexit(self)
+        self.scheduler = Scheduler(
+            self.scheduler_config,
+            self.cache_config,
+            self.kv_offloader.store if self.kv_offloader is not None else None,
+        )
         self.executor: Executor = make_executor(
             WorkerConfig(
                 str(path),
@@ -483,6 +518,8 @@ class LLMEngine:
             if group is not None and group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
         runner_out = self.executor.execute_model(sched_out, self._grammar_bitmask(sched_out))
+        if self.kv_offloader is not None:
+            self.kv_offloader.after_step(sched_out, runner_out)
         sampled = runner_out.sampled
         for rid, part in runner_out.prompt_logprobs.items():
             self._add_prompt_logprobs(rid, part)
@@ -687,10 +724,13 @@ class LLMEngine:
             finished=finished,
             metrics=group.metrics,
             prompt_logprobs=group.prompt_logprobs,
+            num_cached_tokens=max(0, group.children[0].num_cached_tokens),
         )
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do in one process)."""
+        """Write the cached blocks to --kv-offload-dir (when set), stop the tensor-parallel workers."""
+        if self.kv_offloader is not None:
+            self.kv_offloader.shutdown(self.scheduler, self.executor)
         self.executor.shutdown()
 
     # ---- what the engine holds --------------------------------------------------------------------
@@ -726,4 +766,5 @@ class LLMEngine:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
             spec_decode=self.spec_decoding_stats.copy() if self.spec_decoding_stats is not None else None,
+            kv_offload=self.kv_offloader.stats(kv) if self.kv_offloader is not None else None,
         )

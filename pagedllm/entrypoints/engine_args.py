@@ -215,6 +215,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "depend on the batch. Refused with tensor parallelism, dense linears or a quantized KV cache "
         "(default: off)",
     )
+    g.add_argument(
+        "--kv-offload-dir",
+        default=None,
+        metavar="DIR",
+        help="keep the prefix cache beyond the process: full cached blocks evicted from the KV cache, and all "
+        "of them at shutdown, are written to DIR (keyed by their prefix hash and the model, KV dtype and "
+        "block size); an engine started on the same DIR reads a prompt's blocks back instead of recomputing "
+        "them. Several servers may share DIR (default: off)",
+    )
+    g.add_argument(
+        "--kv-offload-max-bytes",
+        default=None,
+        metavar="SIZE",
+        help="bound of --kv-offload-dir, e.g. 2GiB; the least recently used blocks are deleted past it "
+        "(default: 10GiB)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -235,4 +251,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         tensor_parallel_size=args.tensor_parallel_size,
         batch_invariant=args.batch_invariant,
         scheduling_policy=args.scheduling_policy,
+        kv_offload_dir=getattr(args, "kv_offload_dir", None),
+        kv_offload_max_bytes=getattr(args, "kv_offload_max_bytes", None),
     )

@@ -7,7 +7,7 @@ first so the attention backend can batch them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -17,6 +17,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import CacheConfig, ModelConfig
 from pagedllm.errors import InputError
 from pagedllm.worker import batch_invariant as batch_invariance
+from pagedllm.worker import kv_transfer
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.prompt_logprobs import PromptLogprobs, PromptLogprobsSpan, compute_prompt_logprobs
 from pagedllm.worker.rejection_sampler import greedy_verify, rejection_sample
@@ -36,6 +37,8 @@ class ModelRunnerOutput:
     # request id -> its tokens of this step (the requests that sampled): one, or a verified run of drafts
     sampled: dict[str, list[SampledToken]]
     prompt_logprobs: dict[str, PromptLogprobs]  # request id -> this step's part of its prompt logprobs
+    # --kv-offload-dir: the bytes of scheduler_output.kv_blocks_to_save, in its order (worker/kv_transfer.py)
+    kv_saved: list[bytes] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -208,6 +211,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(
+        self, scheduler_output, grammar_bitmask: tuple[list[str], torch.Tensor] | None = None
+    ) -> ModelRunnerOutput:
+        """One step. First the disk's blocks (--kv-offload-dir): evicted blocks are copied out before
+        anything (a load, a copy-on-write, the forward) overwrites them, then blocks read back are filled."""
+        kv_saved = kv_transfer.save_blocks(self.kv_caches, [b for b, _ in scheduler_output.kv_blocks_to_save])
+        kv_transfer.load_blocks(self.kv_caches, scheduler_output.kv_blocks_to_load)
+        out = self._execute_model(scheduler_output, grammar_bitmask)
+        out.kv_saved = kv_saved
+        return out
+
+    @torch.inference_mode()
+    def _execute_model(
         self, scheduler_output, grammar_bitmask: tuple[list[str], torch.Tensor] | None = None
     ) -> ModelRunnerOutput:
         """grammar_bitmask: (request ids, their token bitmasks) for the requests whose next token a grammar

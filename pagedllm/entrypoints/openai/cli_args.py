@@ -217,6 +217,8 @@ GENERATIVE_ONLY_OPTIONS = (
     "scheduling_policy",
     "batch_invariant",
     "no_prefix_caching",
+    "kv_offload_dir",
+    "kv_offload_max_bytes",
 )
 
 
@@ -256,6 +258,11 @@ def make_data_parallel_engine(args: argparse.Namespace) -> EngineClient:
     """A DataParallelEngine of --data-parallel-size replicas, each built from the same engine options."""
     from pagedllm.engine.data_parallel import DataParallelEngine
 
+    if getattr(args, "kv_offload_dir", None) is not None:
+        raise InputError(
+            "--kv-offload-dir is not supported with --data-parallel-size > 1 or --ray-address",
+            param="--kv-offload-dir",
+        )
     return DataParallelEngine(
         engine_kwargs(args),
         args.data_parallel_size,

@@ -103,10 +103,15 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int = 0  # prompt tokens found computed: prefix cache or --kv-offload-dir
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
 class JsonSchemaFormat(OpenAIBaseModel):

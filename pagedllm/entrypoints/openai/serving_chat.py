@@ -35,6 +35,7 @@ from pagedllm.entrypoints.openai.protocol import (
     DeltaToolCall,
     FunctionCall,
     NamedToolChoice,
+    PromptTokenUsageInfo,
     ToolCall,
     UsageInfo,
     dump_sse,
@@ -370,6 +371,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=final.num_cached_tokens),
         )
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
 
@@ -442,6 +444,7 @@ class OpenAIServingChat(OpenAIServing):
         parser = self.reasoning_parser
         states = [_ChoiceState(reasoning=parser.stream(think) if parser else None) for _ in range(request.n)]
         completion_tokens = 0
+        cached_tokens = 0
         try:
             # The first delta of every choice carries the role, before any token exists (as OpenAI does).
             for i in range(request.n):
@@ -449,6 +452,7 @@ class OpenAIServingChat(OpenAIServing):
                     [ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role=ROLE, content=""))]
                 )
             async for output in stream:
+                cached_tokens = getattr(output, "num_cached_tokens", 0)
                 for out in output.outputs:
                     state = states[out.index]
                     if state.finished:
@@ -481,6 +485,7 @@ class OpenAIServingChat(OpenAIServing):
                     prompt_tokens=num_prompt_tokens,
                     completion_tokens=completion_tokens,
                     total_tokens=num_prompt_tokens + completion_tokens,
+                    prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached_tokens),
                 )
                 yield chunk([], usage)
         except (RequestFailedError, EngineClosedError) as e:

@@ -20,6 +20,7 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
+    PromptTokenUsageInfo,
     UsageInfo,
     dump_sse,
     random_id,
@@ -189,10 +190,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
         choices.sort(key=lambda c: c.index)
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        cached_tokens = sum(getattr(f, "num_cached_tokens", 0) for f in finals)
         usage = UsageInfo(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached_tokens),
         )
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage)
 
@@ -209,8 +212,10 @@ class OpenAIServingCompletion(OpenAIServing):
         n = request.n
         states: dict[int, _ChoiceState] = {}
         completion_tokens = 0
+        cached_tokens: dict[int, int] = {}  # per prompt, from its latest output
         try:
             async for p_idx, output in merge_streams(streams):
+                cached_tokens[p_idx] = getattr(output, "num_cached_tokens", 0)
                 chunks = []
                 for out in output.outputs:
                     index = p_idx * n + out.index
@@ -255,6 +260,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     prompt_tokens=prompt_tokens,
                     completion_tokens=completion_tokens,
                     total_tokens=prompt_tokens + completion_tokens,
+                    prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=sum(cached_tokens.values())),
                 )
                 yield dump_sse(
                     CompletionStreamResponse(id=request_id, model=self.model_name, choices=[], usage=usage)
