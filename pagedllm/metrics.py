@@ -14,6 +14,7 @@ which replicas are alive.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -90,6 +91,7 @@ def _engine_metrics(by_replica: Mapping[str | None, Any]) -> Iterator[Metric]:
                 metric.add_metric(key(label), value(stats, attr))
             yield metric
     yield from _offload_metrics(by_replica, family, key)
+    yield from _lora_metrics(by_replica, family, key)
     # vLLM's speculative-decoding counters; absent while speculation is off (as in vLLM)
     specs = {k: s.spec_decode for k, s in by_replica.items() if getattr(s, "spec_decode", None) is not None}
     if not specs:
@@ -148,6 +150,31 @@ def _offload_metrics(
                 value = getattr(value, part)
             metric.add_metric(key(label), float(value))
         yield metric
+
+
+def _lora_metrics(by_replica: Mapping[str | None, Any], family: Callable, key: Callable) -> Iterator[Metric]:
+    """vLLM's lora_requests_info: one sample whose labels name the adapters (comma-separated)
+    of the running and the waiting requests, valued at the scrape's time; absent without --enable-lora."""
+    loras = {k: s.lora for k, s in by_replica.items() if getattr(s, "lora", None) is not None}
+    if not loras:
+        return
+    metric = family(
+        GaugeMetricFamily,
+        "lora_requests_info",
+        "Running stats on LoRA requests.",
+        ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+    )
+    for label, stats in loras.items():
+        metric.add_metric(
+            [
+                *key(label),
+                ",".join(map(str, stats.running)),
+                ",".join(map(str, stats.waiting)),
+                str(stats.max_loras),
+            ],
+            time.time(),
+        )
+    yield metric
 
 
 class ServerMetrics:

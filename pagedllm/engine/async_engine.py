@@ -116,12 +116,16 @@ class AsyncEngine(EngineClientBase):
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: Any = None,
     ) -> RequestStream:
-        """Queue a request; raises what engine.add_request raises (InputError) here, in the caller."""
+        """Queue a request; raises what engine.add_request raises (InputError) here, in the caller.
+        lora_request: a lora.LoRARequest, the adapter to run it with."""
         self._check_accepting()
         stream = _Stream(loop=asyncio.get_running_loop())
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._commands.put(("add", (request_id, prompt, params, arrival_time, priority, stream, done)))
+        self._commands.put(
+            ("add", (request_id, prompt, params, arrival_time, priority, stream, done, lora_request))
+        )
         await asyncio.wrap_future(done)
         return RequestStream(self, request_id, stream.queue)
 
@@ -172,6 +176,13 @@ class AsyncEngine(EngineClientBase):
         return its seq with the KVCacheManager's own state (KVCacheView.manager_state), so a test can
         compare the page against the engine at one instant. Requests stay where they are while held."""
         return await self._call("kv_hold", hold)
+
+    async def add_lora(self, lora_request: Any) -> int:
+        """Register a LoRA adapter on the loop thread (its folder read and checked: InputError if bad)."""
+        return await self._call("add_lora", lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return await self._call("remove_lora", lora_int_id)
 
     async def _call(self, kind: str, arg: Any) -> Any:
         """Run a command on the loop thread and await its result."""
@@ -232,13 +243,14 @@ class AsyncEngine(EngineClientBase):
 
     def _apply(self, kind: str, arg: Any) -> None:
         if kind == "add":
-            request_id, prompt, params, arrival_time, priority, stream, done = arg
+            request_id, prompt, params, arrival_time, priority, stream, done, lora_request = arg
             try:
                 if request_id in self._streams:
                     raise ValueError(f"request id {request_id!r} is already in flight")
                 self._check_queue(params)
+                lora = {"lora_request": lora_request} if lora_request is not None else {}
                 self.engine.add_request(
-                    request_id, prompt, params, arrival_time=arrival_time, priority=priority
+                    request_id, prompt, params, arrival_time=arrival_time, priority=priority, **lora
                 )
             except Exception as e:  # InputError and friends go back to the caller of add_request
                 done.set_exception(e)
@@ -252,6 +264,12 @@ class AsyncEngine(EngineClientBase):
         elif kind == "abort_all":
             self._abort(list(self._streams), RequestFailedError("aborted: the server is shutting down"))
             arg.set_result(None)
+        elif kind in ("add_lora", "remove_lora"):  # LoRA adapters (the server's runtime updating)
+            payload, done = arg
+            try:
+                done.set_result(getattr(self.engine, kind)(payload))
+            except Exception as e:  # InputError naming a bad folder goes back to the caller
+                done.set_exception(e)
         elif kind == "kv_unwatch":
             self._kv.remove(arg)
         elif kind.startswith("kv_"):

@@ -28,7 +28,7 @@ from pagedllm.engine.kv_view import KVCacheView
 from pagedllm.errors import InputError
 from pagedllm.executor import Executor, make_executor
 from pagedllm.executor.worker import WorkerConfig
-from pagedllm.lora.request import LoRARequest, check_lora_options
+from pagedllm.lora.request import LoRARequest, LoRAStats, check_lora_options
 from pagedllm.model.build import resolve_quantization
 from pagedllm.model.loader import read_model_config, resolve_model_path
 from pagedllm.model.tensor_parallel import check_shardable
@@ -123,6 +123,7 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     spec_decode: SpecDecodingStats | None = None  # None when speculation is off
+    lora: LoRAStats | None = None  # None without enable_lora
     kv_offload: KVOffloadEngineStats | None = None  # None without --kv-offload-dir
 
     @property
@@ -766,5 +767,10 @@ class LLMEngine:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=s.num_preemptions,
             spec_decode=self.spec_decoding_stats.copy() if self.spec_decoding_stats is not None else None,
+            lora=(
+                LoRAStats.of(s, self.lora_config.max_loras, self.runner.lora.names())
+                if self.lora_config is not None
+                else None
+            ),
             kv_offload=self.kv_offloader.stats(kv) if self.kv_offloader is not None else None,
         )

@@ -125,6 +125,10 @@ class LoRAModelManager:
         self.loaded.move_to_end(request.lora_int_id)
         return adapter
 
+    def names(self) -> dict[int, str]:
+        """lora_int_id -> name of every adapter a request may still run with."""
+        return {i: r.lora_name for i, r in {**self.retired, **self.registered}.items()}
+
     def _linears(self):
         for linears in self.layers.values():
             yield from linears

@@ -77,3 +77,20 @@ def check_lora_options(
         if on:
             raise InputError(f"enable_lora does not run with {name} yet", param="enable_lora")
     return config
+
+
+@dataclass(frozen=True)
+class LoRAStats:
+    """The adapters of the running and the waiting requests (vLLM's lora_requests_info gauge)."""
+
+    running: tuple[str, ...]  # adapter names
+    waiting: tuple[str, ...]
+    max_loras: int
+
+    @classmethod
+    def of(cls, scheduler, max_loras: int, names: dict[int, str]) -> LoRAStats:
+        def adapters(requests) -> tuple[str, ...]:
+            ids = {r.lora_int_id for r in requests if r.lora_int_id}
+            return tuple(sorted(names.get(i, str(i)) for i in ids))
+
+        return cls(adapters(scheduler.running), adapters(scheduler.waiting), max_loras)

@@ -31,6 +31,7 @@ class OpenAIServing:
     def __init__(self, engine: EngineClient, served_model_names: Sequence[str]):
         self.engine = engine
         self.served_model_names = list(served_model_names)
+        self.loras: Any = None  # lora_serving.LoRAModels when the server serves adapters (--enable-lora)
 
     @property
     def model_name(self) -> str:
@@ -45,7 +46,11 @@ class OpenAIServing:
         return int(self.engine.max_model_len)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
+        if (
+            model is not None
+            and model not in self.served_model_names
+            and not (self.loras and model in self.loras)
+        ):
             raise APIError(f"The model `{model}` does not exist.", status=404, param="model")
 
     def check_fields(self, request: Any) -> None:
@@ -120,14 +125,24 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def add_requests(
-        self, request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int | None = None
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        priority: int | None = None,
+        model: str | None = None,
     ) -> list[RequestStream]:
-        """One engine request per prompt; if one is refused, the ones already added are aborted."""
+        """One engine request per prompt; if one is refused, the ones already added are aborted. model: the
+        request's model field, which may name a LoRA adapter."""
+        lora = self.loras.resolve(model) if self.loras else None
+        extra = {"lora_request": lora} if lora is not None else {}
         streams: list[RequestStream] = []
         try:
             for i, token_ids in enumerate(prompts):
                 rid = f"{request_id}-{i}"
-                streams.append(await self.engine.add_request(rid, token_ids, params, priority=priority or 0))
+                streams.append(
+                    await self.engine.add_request(rid, token_ids, params, priority=priority or 0, **extra)
+                )
         except BaseException:
             for stream in streams:
                 stream.close()

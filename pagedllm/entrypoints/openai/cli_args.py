@@ -13,6 +13,7 @@ from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.engine_args import add_engine_args, apply_threads
 from pagedllm.entrypoints.engine_args import engine_kwargs as shared_engine_kwargs
 from pagedllm.entrypoints.openai.limits import HTTPLimits
+from pagedllm.entrypoints.openai.lora_args import add_lora_args, lora_engine_kwargs
 from pagedllm.entrypoints.reasoning import REASONING_PARSERS
 from pagedllm.errors import InputError
 from pagedllm.structured_output.config import FLAG as SO_CONFIG_FLAG
@@ -130,6 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPUs Ray reserves for each replica; also its torch threads unless --threads says (default: 1)",
     )
     add_engine_args(parser)
+    add_lora_args(parser)
 
 
 def http_limits(args: argparse.Namespace) -> HTTPLimits:
@@ -171,6 +173,7 @@ def reasoning_options(args: argparse.Namespace) -> tuple[str | None, bool]:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """LLMEngine keywords for the options that have a value (None = keep the engine's default)."""
     kwargs = {k: v for k, v in shared_engine_kwargs(args).items() if v is not None}
+    kwargs.update(lora_engine_kwargs(args))  # --enable-lora and its limits (lora_serving.py)
     kwargs.setdefault("show_progress", False)  # a server logs; no progress bars
     return kwargs
 
@@ -217,6 +220,7 @@ GENERATIVE_ONLY_OPTIONS = (
     "scheduling_policy",
     "batch_invariant",
     "no_prefix_caching",
+    "enable_lora",
     "kv_offload_dir",
     "kv_offload_max_bytes",
 )

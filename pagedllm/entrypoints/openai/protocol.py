@@ -595,6 +595,7 @@ class ModelCard(OpenAIBaseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "pagedllm"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: int | None = None
 
 

@@ -49,6 +49,7 @@ from pagedllm.entrypoints.openai.limits import (
     cap_allocator_growth,
     guarded_h11_protocol,
 )
+from pagedllm.entrypoints.openai.lora_serving import LoRAModels, add_lora_routes, make_lora_models
 from pagedllm.entrypoints.openai.ollama.routes import add_ollama_routes
 from pagedllm.entrypoints.openai.pages import PAGE_PATHS, STATIC_PREFIX, add_page_routes
 from pagedllm.entrypoints.openai.protocol import (
@@ -192,6 +193,7 @@ def build_app(
     pooling: AsyncPoolingEngine | None = None,
     reasoning_parser: str | None = None,
     enable_in_reasoning: bool = False,
+    loras: LoRAModels | None = None,
 ) -> FastAPI:
     """The app over `engine`. kv_debug_routes: add the test-only POST /kv/debug/hold (kv_routes.py).
     pooling: `engine` itself when it is the pooling engine (embeddings, rerank, score; generation refused)."""
@@ -205,6 +207,7 @@ def build_app(
         reasoning_parser=reasoning_parser,
         enable_in_reasoning=enable_in_reasoning,
     )
+    completions.loras = chat.loras = loras  # a request's model field may name an adapter (--enable-lora)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -252,12 +255,17 @@ def build_app(
             ModelCard(id=name, root=model_root or name, max_model_len=engine.max_model_len)
             for name in served_model_names
         ]
+        if loras is not None:  # each adapter, with its base as parent (vLLM's listing)
+            cards += loras.cards(model_root, engine.max_model_len)
         return ModelList(data=cards)
 
     @app.get("/v1/models/{model_id:path}", responses=_errors(401, 404, 503))
     async def model(model_id: str) -> ModelCard:
         chat.check_model(model_id)  # 404 for a name this server does not serve
         return ModelCard(id=model_id, root=model_root or model_id, max_model_len=engine.max_model_len)
+
+    if loras is not None:
+        add_lora_routes(app, loras, GENERATE_ERRORS)
 
     @app.get("/tokenizer_info", responses=READ_ERRORS)
     async def tokenizer_info() -> dict[str, Any]:
@@ -439,6 +447,7 @@ def run_server(args: argparse.Namespace) -> int:
                 engine = make_engine(args)
                 engine.warm_up()
                 gate.engine = AsyncEngine(engine, max_num_waiting=args.max_num_waiting)
+            loras = make_lora_models(args, gate.engine, [name])  # --enable-lora: --lora-modules checked now
             gate.app = build_app(
                 gate.engine,
                 served_model_names=[name],
@@ -451,6 +460,7 @@ def run_server(args: argparse.Namespace) -> int:
                 pooling=pooling,
                 reasoning_parser=reasoning_parser,
                 enable_in_reasoning=enable_in_reasoning,
+                loras=loras,
             )
             logger.info("ready: serving %s on http://%s:%d", name, args.host, args.port)
         except BaseException as e:  # a bad option or model: stop the server and report it as the CLI would

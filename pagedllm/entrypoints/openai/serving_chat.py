@@ -262,7 +262,7 @@ class OpenAIServingChat(OpenAIServing):
         await self.validate_constraint(constraint, field)
 
         request_id = random_id("chatcmpl")
-        (stream,) = await self.add_requests(request_id, [token_ids], params, request.priority)
+        (stream,) = await self.add_requests(request_id, [token_ids], params, request.priority, request.model)
         if request.stream:
             return self._stream(request, mode, request_id, len(token_ids), stream, think)
         try:

@@ -98,7 +98,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
         request_id = random_id("cmpl")
         streams = await self.add_requests(
-            request_id, [p.token_ids for p in prompts], params, request.priority
+            request_id, [p.token_ids for p in prompts], params, request.priority, request.model
         )
         if request.stream:
             return self._stream(request, request_id, prompts, streams, score_only)
