@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from cli_helpers import cli
 from lora_helpers import reference_greedy, save_adapter
 from safetensors.torch import load_file, save_file
 from tiny_models import save_tiny_llama
@@ -226,3 +227,22 @@ def test_op_equals_a_loop_over_rows():
             torch.zeros(sum(widths)) if s < 0 else torch.cat([bs[s][i] @ (a[s, i] @ x[t]) for i in range(n)])
         )
         torch.testing.assert_close(got[t], want)
+
+
+def test_plan_counts_the_adapter_memory_the_engine_allocates(llm, folders, capsys):
+    """`pagedllm plan --lora-rank R --max-loras N`: the device slots are the bytes of the engine's
+    LoRALinear buffers (same rank, slots and dtype), and the adapters count against the budget."""
+    base = str(folders[1])
+    slots = sum(
+        m.lora_a.nbytes + m.lora_b.nbytes for m in llm.llm_engine.model.modules() if isinstance(m, LoRALinear)
+    )
+    args = ["plan", "--model", base, "--dtype", "fp32", "--seq-len", "64", "--json", "--memory", "1GiB"]
+    rc, out, err = cli(capsys, *args, "--weight-dtype", "fp32", "--lora-rank", "8", "--max-loras", "2")
+    assert rc == 0, err
+    plan = json.loads(out)
+    assert plan["lora_slot_bytes"] == slots
+    assert plan["lora_bytes"] == slots + plan["lora_cpu_bytes"] and plan["max_cpu_loras"] == 2
+    rc, out, _ = cli(capsys, *args, "--weight-dtype", "fp32")
+    assert json.loads(out)["kv_budget_bytes"] == plan["kv_budget_bytes"] + plan["lora_bytes"]
+    rc, _, err = cli(capsys, *args, "--max-loras", "2")
+    assert rc != 0 and "--max-loras needs --lora-rank" in err

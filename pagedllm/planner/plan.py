@@ -26,6 +26,7 @@ from __future__ import annotations
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.partition import HeadShard, head_shards
 from pagedllm.errors import InputError
+from pagedllm.planner import lora
 from pagedllm.planner import memory as mem
 from pagedllm.units import parse_size
 
@@ -63,6 +64,10 @@ def build_plan(
     num_speculative_tokens: int | None = None,
     num_heads: int | None = None,
     tensor_parallel_size: int | None = None,
+    lora_rank: int | None = None,
+    max_loras: int | None = None,
+    max_cpu_loras: int | None = None,
+    lora_dtype: str | None = None,
 ) -> dict:
     """Everything the inputs determine, as a flat dict of exact integers (plus a few ratios).
 
@@ -78,6 +83,9 @@ def build_plan(
     `tensor_parallel_size` N > 1 splits the model over N devices (see the module's docstring) and adds the
     per-device figures; `num_heads` (query heads) is needed for that only without `config` and when the
     KV heads are fewer than N or come from `d_model` alone.
+
+    `lora_rank` R with `max_loras` N (--enable-lora): the adapters' device slots and CPU copies
+    (planner/lora.py) count with the weights against the budget; they need `config` for the linears' shapes.
     """
     tp = _tp_size(tensor_parallel_size)
     plan: dict = {}
@@ -179,6 +187,7 @@ def build_plan(
         )
     if tp > 1:
         _plan_tp_kv(plan, tp, draft_config, w, slots)
+    _plan_lora(plan, cfg, lora_rank, max_loras, max_cpu_loras, lora_dtype or dtype, tp)
 
     _plan_memory(
         plan,
@@ -192,6 +201,35 @@ def build_plan(
         tp_config=cfg if num_params is None else None,
     )
     return {key: v for key, v in plan.items() if v is not None}
+
+
+def _plan_lora(
+    plan: dict,
+    cfg: ModelConfig | None,
+    rank: int | None,
+    max_loras: int | None,
+    max_cpu_loras: int | None,
+    dtype: str,
+    tp: int,
+) -> None:
+    """LoRA adapters' memory (planner/lora.py), added to `plan`; nothing without --lora-rank."""
+    if rank is None:
+        for value, flag in ((max_loras, "max_loras"), (max_cpu_loras, "max_cpu_loras")):
+            if value is not None:
+                raise InputError(f"--{flag.replace('_', '-')} needs --lora-rank", param=flag)
+        return
+    if cfg is None:
+        raise InputError("--lora-rank needs --model (the adapters' size is the linears' shapes)", "lora_rank")
+    if tp > 1:
+        raise InputError(
+            "--lora-rank with --tensor-parallel-size is not planned (the engine refuses it)", "lora_rank"
+        )
+    shape = lora.LoRAShape(
+        cfg.num_layers, cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.kv_width, cfg.intermediate_size
+    )
+    plan.update(
+        lora.lora_bytes(shape, rank, max_loras or 1, max_cpu_loras, mem.dtype_bytes(mem.dtype_name(dtype)))
+    )
 
 
 def _whole(value, name: str) -> int:
@@ -424,6 +462,8 @@ def _plan_memory(
     if draft_bytes is not None:
         all_weights = (weight_bytes or 0) + draft_bytes
         plan.update(draft_weight_bytes=draft_bytes, total_weight_bytes=all_weights)
+    if "lora_bytes" in plan:  # the adapters sit beside the weights (--enable-lora)
+        all_weights = (all_weights or 0) + plan["lora_bytes"]
     tp = plan.get("tensor_parallel_size", 1)
     weights_in_all = all_weights
     if tp > 1 and weight_bytes is not None:

@@ -104,6 +104,7 @@ def format_plan(plan: dict) -> str:
             )
             lines.append(row("weights", _size(plan["weight_bytes"]) + how))
         lines += _draft_weights(plan, row)
+        lines += _lora(plan, row)
         if "overhead_bytes" in plan:
             lines.append(row("overhead", _size(plan["overhead_bytes"])))
         lines.append(row("KV budget", _size(plan["kv_budget_bytes"])))
@@ -125,12 +126,27 @@ def format_plan(plan: dict) -> str:
         if "weight_bytes" in plan:
             lines.append(row("weights", _size(plan["weight_bytes"])))
         lines += _draft_weights(plan, row)
+        lines += _lora(plan, row)
     return "\n".join(lines)
 
 
 def _spec_slots(plan: dict) -> str:
     """ " + k" after a token count when a speculative step adds k slots to every running request."""
     return f" + {plan['num_speculative_tokens']}" if "kv_slots_per_request" in plan else ""
+
+
+def _lora(plan: dict, row) -> list[str]:
+    """LoRA adapters (--lora-rank): the device slots and the loaded copies, counted with the weights."""
+    if "lora_bytes" not in plan:
+        return []
+    return [
+        row(
+            "LoRA adapters",
+            f"{_size(plan['lora_bytes'])} ({plan['max_loras']} slots of rank {plan['lora_rank']}: "
+            f"{_size(plan['lora_slot_bytes'])}; {plan['max_cpu_loras']} loaded, float32: "
+            f"{_size(plan['lora_cpu_bytes'])})",
+        )
+    ]
 
 
 def _draft_weights(plan: dict, row) -> list[str]:

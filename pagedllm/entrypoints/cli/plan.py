@@ -117,6 +117,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         metavar="N",
         help="tokens proposed a step: N more KV slots for every running request",
     )
+    lo = p.add_argument_group("LoRA adapters (--enable-lora: their device slots and loaded copies)")
+    lo.add_argument("--lora-rank", type=int, metavar="R", help="--max-lora-rank: every slot is this wide")
+    lo.add_argument("--max-loras", type=int, metavar="N", help="adapter slots, as --max-loras (default 1)")
+    lo.add_argument(
+        "--max-cpu-loras", type=int, metavar="N", help="adapters kept loaded, float32 (default: --max-loras)"
+    )
     t = p.add_argument_group("tensor parallelism (the model split over devices)")
     t.add_argument(
         "--tensor-parallel-size",
@@ -204,6 +210,9 @@ def plan_from_args(args: argparse.Namespace) -> dict:
         num_speculative_tokens=args.num_speculative_tokens,
         num_heads=args.num_heads,
         tensor_parallel_size=args.tensor_parallel_size,
+        lora_rank=args.lora_rank,
+        max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
     )
 
 
