@@ -130,7 +130,9 @@ class KVCacheManager:
             blocks.append(block)
         self.prefix_cache_stats.queries += request.num_tokens
         self.prefix_cache_stats.hits += len(blocks) * self.block_size
-        if self.offload is not None and len(blocks) < max_blocks:
+        # not for a LoRA adapter's request: its hashes are salted by lora_int_id, a number each process
+        # gives its adapters in load order, so another server's blocks under it may be another adapter's
+        if self.offload is not None and len(blocks) < max_blocks and not getattr(request, "lora_int_id", 0):
             blocks += self._load_offloaded(request, blocks, max_blocks)
         return blocks, len(blocks) * self.block_size
 
