@@ -68,6 +68,9 @@ _NO_KV_VIEW = "data-parallel replicas each have their own KV pool: there is no o
 # ---------------------------------------------------------------------------------------------- replica
 
 
+# LoRA adapters (pagedllm/lora) live in one engine; replicas would each need them registered alike
+_NO_LORA = "LoRA adapters are not supported with --data-parallel-size / --ray-address yet"
+
 class ReplicaWorker:
     """One replica: an LLMEngine in an AsyncEngine, inside a Ray actor (`ray.remote(ReplicaWorker)`).
 
@@ -372,6 +375,12 @@ class DataParallelEngine(EngineClientBase):
 
         await asyncio.get_running_loop().run_in_executor(None, grammar_text, params)
 
+    async def add_lora(self, lora_request: Any) -> int:
+        raise InputError(_NO_LORA, param="lora_name")
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        raise InputError(_NO_LORA, param="lora_name")
+
     async def add_request(
         self,
         request_id: str,
@@ -379,8 +388,11 @@ class DataParallelEngine(EngineClientBase):
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: Any = None,
     ) -> RequestStream:
         """Route and queue a request; raises InputError / EngineBusyError / EngineClosedError here."""
+        if lora_request is not None:
+            raise InputError(_NO_LORA, param="model")
         self._check_accepting()
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")

@@ -102,10 +102,21 @@ class EngineClient(Protocol):
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: Any = None,
     ) -> RequestStream:
         """Queue a request and return its stream; priority: lower first under --scheduling-policy priority
-        (fcfs refuses anything but 0). Raises InputError, EngineBusyError, EngineClosedError,
-        or ValueError for an id already in flight, here in the caller."""
+        (fcfs refuses anything but 0); lora_request: a lora.LoRARequest, the adapter to run it with. Raises
+        InputError, EngineBusyError, EngineClosedError, or ValueError for an id already in flight, here in
+        the caller."""
+        ...
+
+    async def add_lora(self, lora_request: Any) -> int:
+        """Register a LoRA adapter (--enable-lora): its folder read and checked, InputError naming what is
+        wrong; returns its lora_int_id."""
+        ...
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (requests running with it finish with it); False if it was not registered."""
         ...
 
     def generate(

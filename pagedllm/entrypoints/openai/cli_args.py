@@ -221,6 +221,11 @@ GENERATIVE_ONLY_OPTIONS = (
     "batch_invariant",
     "no_prefix_caching",
     "enable_lora",
+    "lora_modules",
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
+    "allow_runtime_lora_updating",
     "kv_offload_dir",
     "kv_offload_max_bytes",
 )

@@ -47,6 +47,11 @@ def lora_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 flag = "--" + dest.replace("_", "-")
                 raise InputError(f"{flag} needs --enable-lora", param=flag)
         return {}
+    if getattr(args, "data_parallel_size", 1) > 1 or getattr(args, "ray_address", None):
+        raise InputError(
+            "--enable-lora is not supported with --data-parallel-size / --ray-address yet",
+            param="--enable-lora",
+        )
     kwargs: dict[str, Any] = {"enable_lora": True}
     for dest in ("max_loras", "max_lora_rank", "max_cpu_loras"):
         if getattr(args, dest, None) is not None:

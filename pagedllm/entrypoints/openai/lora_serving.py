@@ -12,11 +12,12 @@ reads and checks it: lora/peft.py), and the server serves on. --lora-modules are
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import asyncio
 
 from fastapi import FastAPI
 from pydantic import BaseModel
 
+from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.lora_args import parse_lora_modules
 from pagedllm.entrypoints.openai.protocol import ModelCard
@@ -38,16 +39,12 @@ class LoRAModels:
     """The adapters a server serves: name -> LoRARequest, ids given in order and never reused (an id is a
     prefix-cache key: a name loaded again from another folder must not find the old KV)."""
 
-    def __init__(self, engine: Any, base_names: list[str]):
-        if not hasattr(engine, "add_lora"):
-            raise InputError(
-                "--enable-lora is not supported with this engine (data-parallel replicas or a pooling model)",
-                param="--enable-lora",
-            )
+    def __init__(self, engine: EngineClient, base_names: list[str]):
         self.engine = engine
         self.base_names = list(base_names)
         self.adapters: dict[str, LoRARequest] = {}
         self._next_id = 1
+        self.allow_runtime = False  # --allow-runtime-lora-updating: the load / unload routes
 
     def _new(self, name: str, path: str) -> LoRARequest:
         if name in self.base_names:
@@ -56,11 +53,11 @@ class LoRAModels:
         self._next_id += 1
         return request
 
-    def add_startup(self, modules: list[tuple[str, str]]) -> None:
+    async def add_startup(self, modules: list[tuple[str, str]]) -> None:
         """--lora-modules, registered with the engine before it serves (InputError naming a bad one)."""
         for name, path in modules:
             request = self._new(name, path)
-            self.engine.engine.add_lora(request)  # the loop thread has not started stepping requests yet
+            await self.engine.add_lora(request)
             self.adapters[name] = request
 
     def resolve(self, model: str | None) -> LoRARequest | None:
@@ -94,11 +91,15 @@ class LoRAModels:
         ]
 
 
-def make_lora_models(args: argparse.Namespace, engine: Any, base_names: list[str]) -> LoRAModels | None:
+def make_lora_models(
+    args: argparse.Namespace, engine: EngineClient, base_names: list[str]
+) -> LoRAModels | None:
+    """The server's adapters (None without --enable-lora); called on the loading thread, which has no event
+    loop of its own: the --lora-modules are registered through one (InputError naming a bad one)."""
     if not getattr(args, "enable_lora", False):
         return None
     models = LoRAModels(engine, base_names)
-    models.add_startup(parse_lora_modules(args.lora_modules))
+    asyncio.run(models.add_startup(parse_lora_modules(args.lora_modules)))
     models.allow_runtime = bool(args.allow_runtime_lora_updating)
     return models
 
