@@ -3,6 +3,8 @@
 .venv/bin/python scripts/ab_decode_stack.py HEAD~1          # 120 rounds
 .venv/bin/python scripts/ab_decode_stack.py 07a5e56 200
 .venv/bin/python scripts/ab_decode_stack.py /tmp/variant_a /tmp/variant_b HEAD 100
+PAGEDLLM_PROFILE_MODEL=/tmp/models/llama1b-q4_k_m.gguf AB_SEQS=1 .venv/bin/python scripts/ab_decode_stack.py /tmp/v 60
+    (another model, its GGUF blocks as they are; AB_SEQS sequences a step instead of W32's 32)
 
 Runs W32 (GGUF native) to its 60th model call, keeps that decode step's inputs (32 sequences, contexts
 ~80-350), then times the stack's forward over them: this checkout's stack and each other one (a
@@ -15,6 +17,7 @@ runs of old and new code cannot show a 2% change; alternating them in one proces
 
 import hashlib
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -28,7 +31,7 @@ from pathlib import Path
 import torch
 
 import pagedllm.model.decode_stack as decode_stack
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, ops
 from pagedllm.cpp_extension import load_cpp_extension
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,18 +56,21 @@ def stack_of_revision(rev: str, model):
     """Build the decode stack of `rev` (a git revision or a source tree) over `model`'s weights."""
     tree, name = source_tree(rev)
     ext = load_cpp_extension(name, tree / "pagedllm" / "model" / "csrc" / "decode_stack.cpp")
-    current = decode_stack.load
-    decode_stack.load = lambda: ext
+    current = ops.kernel
+    ops.kernel = lambda op, name=None: ext if op == "decoder_stack" else current(op, name)
     try:
         return decode_stack.build_decode_stack(model)
     finally:
-        decode_stack.load = current
+        ops.kernel = current
 
 
 def main() -> None:
     args = sys.argv[1:]
     rounds = int(args.pop()) if len(args) > 1 and args[-1].isdigit() else 120
-    llm = LLM(show_progress=False, quantization="gguf")
+    model_path = os.environ.get("PAGEDLLM_PROFILE_MODEL")
+    seqs = int(os.environ.get("AB_SEQS", "32"))
+    kwargs = {"model": model_path, "kv_cache_memory": "1GiB"} if model_path else {"quantization": "gguf"}
+    llm = LLM(show_progress=False, **kwargs)
     model = llm.llm_engine.model
     stacks = {"this checkout": model.decode_stack} | {rev: stack_of_revision(rev, model) for rev in args}
 
@@ -82,10 +88,13 @@ def main() -> None:
 
     model.decode_stack = Capture()
     prompts = [json.loads(line)["prompt"] for line in W32.read_text().splitlines()]
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=70, ignore_eos=True), use_tqdm=False)
+    steps = 60 if seqs == 32 else 61  # W32's prefill takes two calls; one prompt's, one
+    llm.generate(
+        prompts[:seqs], SamplingParams(temperature=0, max_tokens=steps + 10, ignore_eos=True), use_tqdm=False
+    )
     model.decode_stack = inner
     args = captured[0]
-    assert args[0].shape[0] == 32 and not args[-1], "the 60th call was not a W32 decode step"
+    assert args[0].shape[0] == seqs and not args[-1], f"the 60th call was not a decode step of {seqs}"
 
     times: dict[str, list[float]] = {k: [] for k in stacks}
     order = list(stacks.items())

@@ -48,6 +48,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -525,6 +526,36 @@ void run_panels(const QuantizedX& a, int64_t M, const uint8_t* codes, S sc, S mn
   }
 }
 
+// fn(begin, end) over [0, n) on torch's threads, in chunks that the threads take as they finish the last
+// (an atomic counter) rather than a fixed half each: a decode step's ~100 matmuls each end in a join, and
+// with a static split every join waits for the slower thread (its core shared with another process, a
+// slower memory channel, a page fault), so one late thread stalls the whole step. About 8 chunks a thread,
+// each at least `grain` and a multiple of `align` items; every item is computed by the same code whichever
+// thread takes it, so results do not depend on the split. WOQ_AVX2_STATIC_SPLIT=1 restores the fixed split
+// (for scripts/ab_decode_stack.py).
+template <typename Fn>
+inline void parallel_chunks(int64_t n, int64_t grain, int64_t align, const Fn& fn) {
+#if defined(WOQ_AVX2_STATIC_SPLIT) && WOQ_AVX2_STATIC_SPLIT
+  (void)align;
+  at::parallel_for(0, n, grain, fn);
+#else
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  int64_t chunk = std::max<int64_t>(grain, (n + 8 * threads - 1) / (8 * threads));
+  chunk = (chunk + align - 1) / align * align;
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  if (threads <= 1 || chunks <= 1) {
+    fn(int64_t(0), n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, chunks), 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+         c = next.fetch_add(1, std::memory_order_relaxed))
+      fn(c * chunk, std::min(n, (c + 1) * chunk));
+  });
+#endif
+}
+
 // out [M, N] = x [M, K] (float32 or bf16, rows K apart) @ W^T (+ bias float32 [N] or nullptr), W in the
 // layout above (group_size a multiple of 32, or 16 with 8-bit codes). Threads (torch's pool) split the
 // panels; each task at least ~16 KB of codes x rows.
@@ -548,10 +579,12 @@ void matmul_into(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S
   });
   const int64_t panel_work = nb * block_bytes(bits) * M;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / panel_work);
+  // many rows: chunks of whole strips (run_panels keeps a strip's codes in L2 across the row blocks)
+  const int64_t strip = M > kRows<4> ? std::max<int64_t>(1, kStripBytes / (nb * block_bytes(bits))) : 1;
   // Q6_K's layout keeps no mins (panel_kernel_q6 derives them): its scales stand in, never read as mins
   with_scales(scales, bits == 6 ? scales : mins, [&](auto sc, auto mn) {
     using S = decltype(sc);
-    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    parallel_chunks(panels, grain, strip, [&](int64_t begin, int64_t end) {
       if (bits == 4)
         run_panels<4, S, T>(a, M, codes, sc, mn, group_size, bias, N, out, begin, end);
       else if (bits == 6)  // Q6_K's 6-bit codes: group 16 only
