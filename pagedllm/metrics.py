@@ -260,3 +260,36 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Families(Collector):
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+
+def render_by_model(by_model: Mapping[str, ServerMetrics], served: Sequence[str]) -> bytes:
+    """A server of several models (entrypoints/openai/model_router.py): each loaded model's metrics, the
+    same names as one model's, with a `model_name` label (vLLM's), plus `pagedllm:model_loaded` for every
+    served model. A model's counters start again from zero when it is loaded again (as after a restart)."""
+    merged: dict[str, Metric] = {}
+    loaded = GaugeMetricFamily(
+        PREFIX + "model_loaded", "1 while the model is loaded, 0 while not.", labels=["model_name"]
+    )
+    for name in served:
+        loaded.add_metric([name], 1.0 if name in by_model else 0.0)
+    merged[loaded.name] = loaded
+    for model, metrics in by_model.items():
+        for family in metrics.registry.collect():
+            out = merged.get(family.name)
+            if out is None:
+                out = merged[family.name] = Metric(
+                    family.name, family.documentation, family.type, family.unit
+                )
+            for s in family.samples:
+                out.samples.append(s._replace(labels={"model_name": model, **s.labels}))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(merged.values())))
+    return generate_latest(registry)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from functools import cached_property
+from typing import Any
 
 from pagedllm.errors import InputError
 
@@ -19,12 +20,25 @@ def print_help(parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def add_model_args(g) -> None:
-    """--model, --dtype and --threads: what every command that loads a model takes (engine commands, eval)."""
+class _ModelsAction(argparse.Action):
+    """A repeatable --model (the server's several models): every value goes to `models`, in order, and
+    `model` stays the first one, so that code reading args.model sees what a single --model gives."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Any = None) -> None:
+        models = [*(getattr(namespace, "models", None) or []), values]
+        namespace.models = models
+        setattr(namespace, self.dest, models[0])
+
+
+def add_model_args(g, several: bool = False) -> None:
+    """--model, --dtype and --threads: what every command that loads a model takes (engine commands, eval).
+    several: --model may be repeated (`pagedllm serve`; all of them in args.models)."""
     g.add_argument(
         "--model",
         default="default",
-        help="a GGUF file, a Hugging Face safetensors folder, or 'default' (SmolLM2-135M-Instruct)",
+        action=_ModelsAction if several else "store",
+        help="a GGUF file, a Hugging Face safetensors folder, or 'default' (SmolLM2-135M-Instruct)"
+        + ("; repeat it, each as NAME=PATH if you like, to serve several models" if several else ""),
     )
     g.add_argument(
         "--dtype",
@@ -153,9 +167,9 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
     )
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, several_models: bool = False) -> None:
     g = parser.add_argument_group("engine options")
-    add_model_args(g)
+    add_model_args(g, several=several_models)
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: 16)")
     g.add_argument(
         "--kv-cache-memory", default=None, help="memory for the KV cache, e.g. 512MiB or 2GiB (default: 1GiB)"

@@ -14,6 +14,7 @@ from pagedllm.entrypoints.engine_args import add_engine_args, apply_threads
 from pagedllm.entrypoints.engine_args import engine_kwargs as shared_engine_kwargs
 from pagedllm.entrypoints.openai.limits import HTTPLimits
 from pagedllm.entrypoints.openai.lora_args import add_lora_args, lora_engine_kwargs
+from pagedllm.entrypoints.openai.model_specs import add_model_router_args
 from pagedllm.entrypoints.reasoning import REASONING_PARSERS
 from pagedllm.errors import InputError
 from pagedllm.structured_output.config import FLAG as SO_CONFIG_FLAG
@@ -130,7 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="CPUs Ray reserves for each replica; also its torch threads unless --threads says (default: 1)",
     )
-    add_engine_args(parser)
+    add_model_router_args(parser)
+    add_engine_args(parser, several_models=True)
     add_lora_args(parser)
 
 

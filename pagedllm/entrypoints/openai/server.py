@@ -50,6 +50,9 @@ from pagedllm.entrypoints.openai.limits import (
     guarded_h11_protocol,
 )
 from pagedllm.entrypoints.openai.lora_serving import LoRAModels, add_lora_routes, make_lora_models
+from pagedllm.entrypoints.openai.model_registry import LoadedModel, ModelRegistry
+from pagedllm.entrypoints.openai.model_router import ModelRouter
+from pagedllm.entrypoints.openai.model_specs import ModelSpec, model_specs
 from pagedllm.entrypoints.openai.ollama.routes import add_ollama_routes
 from pagedllm.entrypoints.openai.pages import PAGE_PATHS, STATIC_PREFIX, add_page_routes
 from pagedllm.entrypoints.openai.protocol import (
@@ -384,6 +387,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    specs = model_specs(args)  # several models (the model router), or None; checked before anything runs
     cap_allocator_growth()  # before the model loads and the threads start
     gate = StartupGate()
     failure: list[BaseException] = []
@@ -404,6 +408,8 @@ def run_server(args: argparse.Namespace) -> int:
             self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
 
         async def on_tick(self, counter: int) -> bool:
+            if isinstance(gate.engine, ModelRegistry):
+                gate.engine.start()  # its idle reaper, on this loop (once)
             # Ray (--data-parallel-size) installs its own handler of fatal signals, SIGTERM among them, when
             # the engine starts; take SIGINT and SIGTERM back (here on the main thread) so that they drain.
             if data_parallel and gate.engine is not None and not self._signals_restored:
@@ -419,6 +425,8 @@ def run_server(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     name = args.served_model_name or args.model
+    if specs is not None:
+        name = ", ".join(spec.name for spec in specs)
     # lifespan off: the real app arrives after uvicorn's startup; DrainingServer stops its engine instead
     limits = http_limits(args)
     data_parallel = uses_ray(args)  # checked before listening: a bad value or missing ray is exit 2
@@ -438,6 +446,16 @@ def run_server(args: argparse.Namespace) -> int:
 
     def load() -> None:
         try:
+            if specs is not None:
+                registry = _model_registry(args, specs, limits)
+                registry.preload(specs[0].name)  # the first model now (a bad option fails start-up)
+                first = registry.entries[specs[0].name].loaded
+                gate.engine = registry  # type: ignore[assignment]  (what DrainingServer shuts down)
+                gate.app = _outer_middleware(
+                    ModelRouter(registry, getattr(first.app.state, "error_shapes", {})), args.api_key, limits
+                )
+                logger.info("ready: serving %s on http://%s:%d", name, args.host, args.port)
+                return
             pooling = make_pooling_engine(args)  # an embedder / cross-encoder (which refuses replicas)
             if pooling is not None:
                 gate.engine = pooling
@@ -473,6 +491,57 @@ def run_server(args: argparse.Namespace) -> int:
     if failure:
         raise failure[0]
     return 0
+
+
+def _load_model(args: argparse.Namespace, spec: ModelSpec, limits: HTTPLimits) -> LoadedModel:
+    """One model of a server of several: the one-model server's engine and app, built as run_server builds
+    them (in a worker thread; its engine loop starts here)."""
+    args = argparse.Namespace(
+        **{**vars(args), "model": spec.path, "served_model_name": spec.name, "models": None}
+    )
+    reasoning_parser, enable_in_reasoning = reasoning_options(args)
+    pooling = make_pooling_engine(args)
+    engine: EngineClient
+    if pooling is not None:
+        engine = pooling
+    else:
+        llm = make_engine(args)
+        llm.warm_up()
+        engine = AsyncEngine(llm, max_num_waiting=args.max_num_waiting)
+    app = build_app(
+        engine,
+        served_model_names=[spec.name],
+        api_key=args.api_key,
+        model_root=spec.path,
+        shutdown_timeout=args.shutdown_timeout,
+        tool_call_parser=args.tool_call_parser,
+        limits=limits,
+        kv_debug_routes=args.kv_debug_routes,
+        pooling=pooling,
+        reasoning_parser=reasoning_parser,
+        enable_in_reasoning=enable_in_reasoning,
+    )
+    return LoadedModel(app=app, engine=engine, metrics=app.state.metrics)
+
+
+def _model_registry(args: argparse.Namespace, specs: list[ModelSpec], limits: HTTPLimits) -> ModelRegistry:
+    return ModelRegistry(
+        specs,
+        lambda spec: _load_model(args, spec, limits),
+        load_timeout_s=args.load_timeout_s,
+        max_loaded_models=args.max_loaded_models,
+        idle_unload_s=args.idle_unload_s,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+
+
+def _outer_middleware(app: ASGIApp, api_key: str | None, limits: HTTPLimits) -> ASGIApp:
+    """The middlewares build_app puts around a one-model app, around the model router (whose own routes,
+    /v1/models and /metrics, need the key too; each model's app checks again, which costs nothing)."""
+    app = BodyLimitMiddleware(app, limits=limits)
+    if api_key:
+        app = APIKeyMiddleware(app, api_key=api_key)
+    return InternalErrorMiddleware(app)
 
 
 def main(argv: list[str] | None = None) -> int:

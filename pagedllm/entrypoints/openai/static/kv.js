@@ -20,6 +20,9 @@ const pauseButton = $("pause");
 
 apiKey(); // takes ?api_key= off the address bar before anything else reads the URL
 const wanted = new URL(window.location.href).searchParams.get("request");
+// A server of several models shows one model's pool at a time: ?model=NAME (its routes take it too).
+const model = new URL(window.location.href).searchParams.get("model");
+const forModel = (path) => (model === null ? path : `${path}${path.includes("?") ? "&" : "?"}model=${encodeURIComponent(model)}`);
 
 const view = {
   snapshot: null,
@@ -35,6 +38,24 @@ const view = {
 };
 
 $("chat-link").href = withKey("/");
+
+// The model selector: shown when /v1/models lists models with a status (a server of several models).
+async function listModels() {
+  try {
+    const models = (await getJSON("/v1/models")).data.filter((m) => m.status !== undefined);
+    if (models.length < 2) return;
+    const select = $("model");
+    const current = model ?? models[0].id;
+    for (const m of models) select.add(new Option(`${m.id} (${m.status})`, m.id, false, m.id === current));
+    select.hidden = false;
+    select.addEventListener("change", () => {
+      window.location.href = withKey(`/kv?model=${encodeURIComponent(select.value)}`);
+    });
+  } catch {
+    // no list (a key not given yet): the page still shows the default model
+  }
+}
+listModels();
 
 // ---- selection ----------------------------------------------------------------------------------
 
@@ -134,7 +155,7 @@ async function connect() {
     const controller = new AbortController();
     view.controller = controller;
     try {
-      for await (const snapshot of sseMessages("/kv/events", { signal: controller.signal })) {
+      for await (const snapshot of sseMessages(forModel("/kv/events"), { signal: controller.signal })) {
         if (view.paused) return; // a message read before the pause is not drawn after it
         receive(snapshot);
       }
@@ -194,7 +215,7 @@ async function showBlock(id) {
   const controller = new AbortController();
   view.tipController = controller;
   try {
-    const info = await getJSON(`/kv/blocks/${id}`, controller.signal);
+    const info = await getJSON(forModel(`/kv/blocks/${id}`), controller.signal);
     if (view.tipBlock !== id) return;
     const text = info.text === null ? "<i>tokens not recorded (filled before this page opened)</i>"
       : `“${escapeHTML(info.text)}”`;
