@@ -2,7 +2,8 @@
 
     .venv/bin/python scripts/soak_server.py --minutes 20 --output-json /tmp/soak.json
 
-Starts `pagedllm serve` (the default model unless --model), then runs --workers clients at once, each
+Starts `pagedllm serve` (the default model unless --model; repeat --model NAME=PATH for a server of several
+models, each request then names one at random), then runs --workers clients at once, each
 picking at random: a streamed chat answer read to the end, a stream dropped after a few chunks, a
 non-streaming completion (short or long prompt, n=1..3), a /tokenize of a long text, or a bad input (NaN,
 a lone surrogate, an unknown role, n=1000, a 20 MB body, a stalled header). It records every status,
@@ -51,13 +52,18 @@ def corpus() -> str:
 
 
 class Soak:
-    def __init__(self, base: str, model: str, rng: random.Random, text: str):
+    def __init__(self, base: str, models: list[str], rng: random.Random, text: str):
         self.base = base
-        self.model = model
+        self.models = models
         self.rng = rng
         self.text = text
         self.statuses: collections.Counter[str] = collections.Counter()
         self.unexpected: list[str] = []
+
+    @property
+    def model(self) -> str:
+        """The served name a request sends: one of the server's models, at random."""
+        return self.models[0] if len(self.models) == 1 else self.rng.choice(self.models)
 
     def note(self, kind: str, status: int | str, expected: set[int]) -> None:
         self.statuses[f"{kind} {status}"] += 1
@@ -151,9 +157,9 @@ class Soak:
                     self.note("transport", type(e).__name__, set())
 
 
-async def soak(base: str, model: str, workers: int, minutes: float, pid: int, seed: int) -> dict:
+async def soak(base: str, models: list[str], workers: int, minutes: float, pid: int, seed: int) -> dict:
     rng = random.Random(seed)
-    s = Soak(base, model, rng, corpus())
+    s = Soak(base, models, rng, corpus())
     start = time.monotonic()
     deadline = start + minutes * 60
     rss: list[tuple[float, int]] = []
@@ -170,7 +176,7 @@ async def soak(base: str, model: str, workers: int, minutes: float, pid: int, se
     await asyncio.gather(sample(), *(s.worker(deadline) for _ in range(workers)))
     async with httpx.AsyncClient(base_url=base, headers=AUTH, timeout=60) as client:
         for _ in range(120):  # the engine drains what the dropped streams left
-            metrics = _parse((await client.get("/metrics")).text)
+            metrics = _summed(_parse((await client.get("/metrics")).text))
             if (
                 metrics["pagedllm:num_requests_running"] == 0
                 and metrics["pagedllm:num_requests_waiting"] == 0
@@ -208,6 +214,19 @@ def _range(samples: list[tuple[float, int]], start: float, end: float) -> list[i
     return [min(values), max(values)]
 
 
+def _summed(samples: dict[str, float]) -> dict[str, float]:
+    """Each `name{labels}` also as `name`, summed over its labels (a server of several models labels every
+    engine metric with model_name); an unlabelled name stays as it is."""
+    out = dict(samples)
+    sums: dict[str, float] = collections.defaultdict(float)
+    for key, value in samples.items():
+        if "{" in key:
+            sums[key.split("{", 1)[0]] += value
+    for name, value in sums.items():
+        out.setdefault(name, value)
+    return out
+
+
 def _parse(text: str) -> dict[str, float]:
     """/metrics as `name{labels}` -> value, the way Prometheus reads it."""
     out = {}
@@ -222,14 +241,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=20)
     ap.add_argument("--workers", type=int, default=12)
-    ap.add_argument("--model", default="default")
+    ap.add_argument("--model", action="append", help="NAME=PATH or PATH; repeat it for several models")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", default=None)
     ap.add_argument("server_args", nargs="*", help="more `pagedllm serve` flags, after --")
     args = ap.parse_args()
+    models = args.model or ["default"]
+    names = [m.partition("=")[0] if "=" in m else m for m in models]
     port = free_port()
     cmd = [
-        sys.executable, "-m", "pagedllm.entrypoints.openai.server", "--model", args.model,
+        sys.executable, "-m", "pagedllm.entrypoints.openai.server", *(a for m in models for a in ("--model", m)),
         "--port", str(port), "--api-key", KEY, "--log-level", "warning", "--num-kv-blocks", "1024",
         "--max-model-len", "4096", "--max-num-seqs", "16", *args.server_args,
     ]  # fmt: skip
@@ -243,7 +264,7 @@ def main() -> int:
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        report = asyncio.run(soak(base, args.model, args.workers, args.minutes, proc.pid, args.seed))
+        report = asyncio.run(soak(base, names, args.workers, args.minutes, proc.pid, args.seed))
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)

@@ -50,6 +50,16 @@ def greedy(client: openai.OpenAI, model: str) -> str:
     return r.choices[0].text
 
 
+def greedy_once_loaded(client: openai.OpenAI, server: ServerInfo, model: str) -> str:
+    """A model not loaded, with a short --load-timeout-s: 503 with Retry-After, then (loaded) the answer."""
+    with pytest.raises(openai.APIStatusError) as e:
+        greedy(client, model)
+    assert e.value.status_code == 503 and e.value.response.headers["retry-after"]
+    assert model in e.value.body["message"]
+    wait_until(lambda: statuses(server)[model] == "loaded", 120, f"{model} loaded")
+    return greedy(client, model)
+
+
 def rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -119,6 +129,22 @@ def test_metrics_labelled_by_model(pair: ServerInfo) -> None:
     assert samples['pagedllm:generation_tokens_total{model_name="x"}'] >= 8
 
 
+def test_ollama_and_anthropic_routes_pick_the_model(pair: ServerInfo) -> None:
+    h = pair.headers
+    tags = httpx.get(pair.url("/api/tags"), headers=h, timeout=10).json()
+    assert sorted(m["name"] for m in tags["models"]) == ["x:latest", "y:latest"]
+    body = {"model": "x:latest", "prompt": "hi", "stream": False, "options": {"num_predict": 2}}
+    r = httpx.post(pair.url("/api/generate"), json=body, headers=h, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == "x:latest"
+    ps = httpx.get(pair.url("/api/ps"), headers=h, timeout=10).json()
+    assert [m["name"] for m in ps["models"]] == ["x:latest"]  # only the loaded ones
+    body = {"model": "x", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(pair.url("/v1/messages"), json=body, headers=h, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == "x"
+    r = httpx.post(pair.url("/v1/messages"), json={**body, "model": "nope"}, headers=h, timeout=10)
+    assert r.status_code == 404 and r.json()["type"] == "error"  # Anthropic's shape on its route
+
+
 def test_kv_page_and_events_pick_the_model(pair: ServerInfo) -> None:
     r = httpx.get(pair.url("/kv?model=x"), headers=pair.headers, timeout=10)
     assert r.status_code == 200 and 'id="model"' in r.text
@@ -148,7 +174,16 @@ IDLE_S = 4
 
 
 def test_models_dir_idle_unload_gives_memory_back(models_dir: Path, tmp_path: Path) -> None:
-    args = ("--models-dir", str(models_dir), "--idle-unload-s", str(IDLE_S), *SMALL)
+    # --load-timeout-s 0.05: a request for a model not loaded gets 503 + Retry-After, its load goes on
+    args = (
+        "--models-dir",
+        str(models_dir),
+        "--idle-unload-s",
+        str(IDLE_S),
+        "--load-timeout-s",
+        "0.05",
+        *SMALL,
+    )
     # --model and --models-dir together: the --model ones first (the first is loaded at start-up)
     with running_server(tmp_path / "server.log", *args, model=f"first={default_model_path()}") as server:
         pid = server.process.pid
@@ -156,13 +191,13 @@ def test_models_dir_idle_unload_gives_memory_back(models_dir: Path, tmp_path: Pa
         # the folder's models named by file name without .gguf and by folder name (notes.txt is no model)
         assert statuses(server) == {"first": "loaded", "smol": "unloaded", "tiny-a": "unloaded"}
         with client_for(server) as c:
-            text = greedy(c, "tiny-a")
+            text = greedy_once_loaded(c, server, "tiny-a")
             assert statuses(server)["tiny-a"] == "loaded"
             wait_until(lambda: set(statuses(server).values()) == {"unloaded"}, 4 * IDLE_S + 10, "idle unload")
             unloaded_rss = rss_kib(pid)
             # SmolLM2-135M's weights alone are ~100 MB; the process must have given them back
             assert unloaded_rss < loaded_rss - 60 * 1024, (loaded_rss, unloaded_rss)
-            assert greedy(c, "tiny-a") == text  # the next request loads it again
+            assert greedy_once_loaded(c, server, "tiny-a") == text  # the next request loads it again
             assert statuses(server)["tiny-a"] == "loaded"
 
 
