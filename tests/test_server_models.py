@@ -214,6 +214,7 @@ def test_models_dir_idle_unload_gives_memory_back(models_dir: Path, tmp_path: Pa
         ),
         (("--model", "a=default", "--model", "a=default"), "--model"),
         (("--max-loaded-models", "0"), "--max-loaded-models"),
+        (("--model", "a=default", "--model", "b=default", "--enable-lora"), "--enable-lora"),
         (("--idle-unload-s", "0"), "--idle-unload-s"),
         (("--models-dir", "/nonexistent"), "--models-dir"),
     ],

@@ -45,6 +45,7 @@ class ModelEntry:
     loaded: LoadedModel | None = None
     last_used: float = 0.0  # time.monotonic() of the last request's start or end
     in_flight: int = 0  # requests routed to it and not yet answered (never unloaded while > 0)
+    reserved: bool = False  # loading, with its place under --max-loaded-models already made
     loading: asyncio.Task | None = field(default=None, repr=False)
 
     @property
@@ -169,15 +170,19 @@ class ModelRegistry:
             entry.state = "unloaded"
             raise
         finally:
-            entry.loading = None
+            entry.loading, entry.reserved = None, False
 
     async def _make_room(self, entry: ModelEntry) -> None:
         """With --max-loaded-models, unload least recently used models (nothing in flight) until `entry`
         fits; waits while every loaded model is busy (the request's own load timeout bounds the wait)."""
         limit = self.max_loaded_models
         while limit is not None:
-            others = [e for e in self.entries.values() if e is not entry and e.state != "unloaded"]
+            # a model still waiting for room does not count, or two loads could wait on each other forever
+            others = [
+                e for e in self.entries.values() if e is not entry and (e.state == "loaded" or e.reserved)
+            ]
             if len(others) < limit:
+                entry.reserved = True
                 return
             idle = [e for e in others if e.state == "loaded" and e.in_flight == 0]
             if idle:
