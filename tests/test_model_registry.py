@@ -10,7 +10,7 @@ import time
 import pytest
 
 from pagedllm.entrypoints.openai.model_registry import LoadedModel, ModelLoadTimeout, ModelRegistry
-from pagedllm.entrypoints.openai.model_specs import ModelSpec, parse_model_option
+from pagedllm.entrypoints.openai.model_specs import ModelSpec, model_specs, parse_model_option
 
 
 class FakeEngine:
@@ -92,3 +92,30 @@ def test_load_timeout_then_loaded() -> None:
         assert states(r) == ".L"  # the load went on
 
     asyncio.run(main())
+
+
+def _serve_args(*argv: str):
+    import argparse
+
+    from pagedllm.entrypoints.openai.cli_args import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_one_model_stays_the_one_model_server() -> None:
+    args = _serve_args()
+    assert model_specs(args) is None and args.model == "default" and args.served_model_name is None
+    args = _serve_args("--model", "some/path.gguf", "--served-model-name", "x")
+    assert model_specs(args) is None and (args.model, args.served_model_name) == ("some/path.gguf", "x")
+    args = _serve_args("--model", "smol=default")  # NAME=PATH alone: the one-model server, named NAME
+    assert model_specs(args) is None and (args.model, args.served_model_name) == ("default", "smol")
+
+
+def test_several_models_and_router_options() -> None:
+    args = _serve_args("--model", "a=default", "--model", "b=default")
+    assert model_specs(args) == [ModelSpec("a", "default"), ModelSpec("b", "default")]
+    assert args.load_timeout_s == 600.0
+    args = _serve_args("--model", "default", "--idle-unload-s", "30")  # one model, unloaded when idle
+    assert model_specs(args) == [ModelSpec("default", "default")] and args.idle_unload_s == 30.0

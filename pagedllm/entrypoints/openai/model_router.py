@@ -85,14 +85,14 @@ class ModelRouter:
             name, scope = self._take_query_model(scope)
             await self._dispatch(name or self.registry.default, scope, receive, send)
             return
-        body, more = await _read_body(receive)
+        body = await _read_body(receive)
         replayed = False
 
         async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": body, "more_body": more}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
         name = self._body_model(body, path)
@@ -224,16 +224,16 @@ def _size(entry: ModelEntry) -> int:
         return 0
 
 
-async def _read_body(receive: Receive) -> tuple[bytes, bool]:
+async def _read_body(receive: Receive) -> bytes:
     """The request body (BodyLimitMiddleware, outside this app, already read it whole and bounded)."""
     chunks = []
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            return b"".join(chunks), False
+            return b"".join(chunks)
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
-            return b"".join(chunks), False
+            return b"".join(chunks)
 
 
 async def _get_json(app: Any, scope: Scope, path: str) -> dict[str, Any]:
