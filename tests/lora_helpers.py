@@ -60,3 +60,31 @@ def reference_greedy(
             min_new_tokens=max_tokens,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def write_random_adapter(
+    path: Path, cfg, rank: int, modules: dict[int, list[str]], scale: float, seed: int
+) -> Path:
+    """A PEFT folder written directly (no peft, no HF model of the base's shapes): random A and B for
+    `modules` ({layer: [module names]}) of a base of config `cfg` (pagedllm's ModelConfig)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from pagedllm.lora.peft import module_shapes
+
+    path.mkdir(parents=True)
+    g = torch.Generator().manual_seed(seed)
+    shapes, tensors = module_shapes(cfg), {}
+    for layer, names in modules.items():
+        for name in names:
+            fan_in, fan_out = shapes[name]
+            part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) / fan_in**0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * scale
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    targets = sorted({n for names in modules.values() for n in names})
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": targets}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path

@@ -2,7 +2,8 @@
 
 It wraps whatever linear the model serves with (float nn.Linear, prepacked bf16, int8/int4/GGUF QuantLinear,
 a fused qkv or gate_up): the base runs as before, once for all rows, and the adapters' product (the `lora`
-op, punica.py) is added after it in the activations' dtype; the base stays quantized, the adapters float.
+op, punica.py) is added after it, computed in float32 (a step of many rows of a 16-bit model: in its dtype);
+the base stays quantized, the adapters float.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from torch import nn
 
 from pagedllm.lora.punica import lora_shrink_expand
 
+# steps of at most this many rows compute the adapters in float32, more in the model's 16-bit dtype
+FLOAT32_MAX_ROWS = 8
+
 
 class LoRABatch:
     """This step's row -> slot assignment, shared by every LoRALinear of the model (set by the manager
@@ -20,7 +24,8 @@ class LoRABatch:
     def __init__(self, num_slots: int, rank: int):
         self.num_slots, self.rank = num_slots, rank
         self.active = False  # any row with an adapter this step; a base-only step adds nothing
-        self._one_hot: torch.Tensor | None = None  # [T, S]
+        self.num_slots_used = 0  # slots 0 .. this - 1 are passed to the op (the highest in use, plus one)
+        self._one_hot: torch.Tensor | None = None  # [T, num_slots_used]
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     def set(self, row_slots: torch.Tensor | None) -> None:
@@ -30,7 +35,8 @@ class LoRABatch:
             self.active, self._one_hot = False, None
             return
         self.active = True
-        one_hot = torch.zeros(row_slots.shape[0], self.num_slots + 1)
+        self.num_slots_used = int(row_slots.max()) + 1
+        one_hot = torch.zeros(row_slots.shape[0], self.num_slots_used + 1)
         one_hot[torch.arange(row_slots.shape[0]), row_slots.clamp(min=-1) + 1] = 1.0
         self._one_hot = one_hot[:, 1:]  # column 0 took the base rows
 
@@ -60,16 +66,28 @@ class LoRALinear(nn.Module):
         s, n, r = batch.num_slots, len(slices), batch.rank
         self.out_offsets = [sum(w for _, w in slices[:i]) for i in range(n)]
         out = sum(w for _, w in slices)
-        # buffers, not parameters: load_weights / state_dict of the base model never see them
-        self.register_buffer("lora_a", torch.zeros(s * n * r, in_features, dtype=dtype), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(out, s * n * r, dtype=dtype), persistent=False)
+        # buffers, not parameters: load_weights / state_dict of the base model never see them. float32
+        # always; for a bf16 / fp16 model a copy in its dtype too (see forward)
+        self.register_buffer("lora_a", torch.zeros(s * n * r, in_features), persistent=False)
+        # B transposed ([rows, out]): a prefix of slots is a contiguous view of both
+        self.register_buffer("lora_b", torch.zeros(s * n * r, out), persistent=False)
+        half = dtype != torch.float32
+        self.register_buffer("lora_a_half", self.lora_a.to(dtype) if half else None, persistent=False)
+        self.register_buffer("lora_b_half", self.lora_b.to(dtype) if half else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         if not self.batch.active:
             return y
-        mask = self.batch.mask(len(self.slices), self.lora_a.dtype)
-        delta = lora_shrink_expand(x.to(self.lora_a.dtype), self.lora_a, self.lora_b, mask)
+        rows = self.batch.num_slots_used * len(self.slices) * self.batch.rank
+        # Few rows (decode of a few streams) in float32: ATen's bf16 gemm takes ~170 us for a 1-row product
+        # that MKL's sgemm does in ~10 us; many rows in the model's 16-bit dtype, where the bf16 gemm is
+        # the faster (AMX / AVX512-BF16). The adapters' own numbers are float32 either way.
+        a, b = self.lora_a, self.lora_b
+        if self.lora_a_half is not None and x.shape[0] > FLOAT32_MAX_ROWS:
+            a, b = self.lora_a_half, self.lora_b_half
+        mask = self.batch.mask(len(self.slices), a.dtype)
+        delta = lora_shrink_expand(x.to(a.dtype), a[:rows], b[:rows], mask)
         return y + delta.to(y.dtype)
 
     def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -78,7 +96,7 @@ class LoRALinear(nn.Module):
         first = slot * n * r
         with torch.no_grad():
             self.lora_a[first : first + n * r] = 0
-            self.lora_b[:, first : first + n * r] = 0
+            self.lora_b[first : first + n * r] = 0
             for i, (name, width) in enumerate(self.slices):
                 if name not in weights:
                     continue
@@ -87,7 +105,10 @@ class LoRALinear(nn.Module):
                 row = first + i * r
                 self.lora_a[row : row + rank] = a
                 off = self.out_offsets[i]
-                self.lora_b[off : off + width, row : row + rank] = b
+                self.lora_b[row : row + rank, off : off + width] = b.T
+            if self.lora_a_half is not None:
+                self.lora_a_half[first : first + n * r] = self.lora_a[first : first + n * r]
+                self.lora_b_half[first : first + n * r] = self.lora_b[first : first + n * r]
 
     def clear_slot(self, slot: int) -> None:
         self.set_slot(slot, {})

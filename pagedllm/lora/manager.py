@@ -34,7 +34,8 @@ def check_model(model: nn.Module, cfg: ModelConfig) -> None:
 def wrap_linears(model: nn.Module, batch: LoRABatch, dtype: torch.dtype) -> dict[int, list[LoRALinear]]:
     """Replace each decoder linear by a LoRALinear around it (after fuse.py: a fused qkv / gate_up takes
     its modules' slices). The fused decode stack calls the linears from C++ and so cannot add adapters:
-    it is switched off. Returns layer index -> its LoRALinears."""
+    it is switched off here; the manager puts it back for steps without adapter rows (it holds the base's
+    own weights, taken at fuse time). Returns layer index -> its LoRALinears."""
     model.decode_stack = None
     out: dict[int, list[LoRALinear]] = {}
     for idx, layer in enumerate(model.model.layers):
@@ -77,6 +78,7 @@ class LoRAModelManager:
         check_model(model, cfg)
         self.cfg, self.config = cfg, config
         self.batch = LoRABatch(config.max_loras, config.max_lora_rank)
+        self.model, self._decode_stack = model, model.decode_stack
         self.layers = wrap_linears(model, self.batch, dtype)
         self.registered: dict[int, LoRARequest] = {}  # what requests may name
         # removed while requests may still run with them: read again from their folders if they need a slot
@@ -162,6 +164,8 @@ class LoRAModelManager:
         """rows: (lora_int_id, number of rows) of each request in the flat batch's order; 0 is the base."""
         self._step += 1
         needed = {lid for lid, _ in rows if lid}
+        # the fused decoder stack (base weights only) for steps without an adapter row
+        self.model.decode_stack = None if needed else self._decode_stack
         if not needed:
             self.batch.set(None)
             return

@@ -1,9 +1,10 @@
 """The memory of LoRA adapters (issue 37), as the engine allocates it (pagedllm/lora/layers.py).
 
-Device slots: every decoder linear holds, for each of max_loras slots, A [n * R, in] and B [out, n * R] at
+Device slots: every decoder linear holds, for each of max_loras slots, A [n * R, in] and B^T [n * R, out] at
 the full --max-lora-rank R (a lower rank is zero-padded), n its slices: 3 for the fused q/k/v, 2 for the
-fused gate/up, 1 for o and down; B is dense over the slices (block-diagonal, zeros off the blocks). In the
-activations' dtype. The CPU copies: max_cpu_loras loaded adapters, float32, each at its own rank; counted
+fused gate/up, 1 for o and down; B is dense over the slices (block-diagonal, zeros off the blocks). In
+float32, and for a 16-bit model (--dtype bf16 / fp16) a copy in that dtype too (small steps run the float32
+one, large ones the 16-bit one). The CPU copies: max_cpu_loras loaded adapters, float32, each at its own rank; counted
 at rank R over all seven target modules (the most one can take).
 """
 
@@ -55,7 +56,8 @@ def lora_bytes(
         raise InputError(
             f"--max-cpu-loras must be >= --max-loras ({max_loras}), got {cpu}", param="max_cpu_loras"
         )
-    device = int(max_loras * slot_elements(shape, rank) * dtype_bytes)
+    per_element = 4 + (dtype_bytes if dtype_bytes != 4 else 0)  # float32, plus a 16-bit model's copy
+    device = int(max_loras * slot_elements(shape, rank) * per_element)
     host = cpu * adapter_elements(shape, rank) * 4
     return {
         "lora_rank": rank,
