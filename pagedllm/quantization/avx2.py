@@ -85,21 +85,18 @@ def pack(
     | 256 (8-bit)], each panel of 8 output columns interleaved 4 inputs a column; scales / mins in the
     smallest form that holds them exactly: [panels, G, 8] float16 (GGUF's Q4_0 / Q8_0 ...: 0.25 B a weight
     less to stream at decode than float32), two-level uint8 [panels, G / sb, 16 + 8 sb] where `superblocks`
-    (GGUF's K-quants) factors them, else float32. GGUF Q6_K (6-bit codes, group 16, mins = -32 x scales)
-    keeps no mins at all: an empty tensor, the kernel derives them (0.08 B a weight less to stream)."""
+    (GGUF's K-quants) factors them, else float32. Where every min is one power of two c times its scale
+    (GGUF's symmetric types: Q4_0 -8, Q5_0 -16, Q6_K -32, Q8_0 -128) no mins are kept, only c as a
+    one-element float32 tensor: the kernel derives them (0.0625 B a weight less to stream for Q4_0)."""
     if bits not in (4, 8):
         raise ValueError(f"avx2.pack: bits must be 4 or 8, got {bits}")
     n, k = codes.shape
     if k % BLOCK or scales.shape != mins.shape or scales.shape[0] != n or k % scales.shape[1]:
         raise ValueError(f"avx2.pack: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} do not fit")
     panels = -(-n // COLS)
-    if (
-        bits == 8
-        and scales.shape[1] * HALF_GROUP == k
-        and int(codes.max()) < 64
-        and torch.equal(mins, -32 * scales)
-    ):
-        bits = 6  # GGUF Q6_K: its 6-bit codes in 6 bits and no mins (csrc/woq_avx2.h's panel_kernel_q6)
+    factor = _min_factor(scales, mins)
+    if bits == 8 and scales.shape[1] * HALF_GROUP == k and int(codes.max()) < 64 and factor == -32:
+        bits = 6  # GGUF Q6_K: its 6-bit codes in 6 bits (csrc/woq_avx2.h's panel_kernel_q6)
     c = torch.zeros(panels * COLS, k, dtype=torch.uint8)
     c[:n] = codes
     # [panel, column, block, quad, i] -> [panel, block, quad, column, i]: byte 4c + i of quad j's vector
@@ -114,36 +111,50 @@ def pack(
     else:
         c = c ^ 0x80  # q - 128 as int8's bit pattern
     c = c.reshape(panels, k // BLOCK, bits * 32).contiguous()
-    if superblocks is not None and _factors(
-        superblocks, scales, mins, with_mins=bits != 6
-    ):  # the smallest form
+    derived = None if factor is None else torch.tensor([float(factor)])
+    if superblocks is not None and _factors(superblocks, scales, mins, with_mins=derived is None):  # smallest
         sb = superblocks.groups
         s = _two_level(superblocks.d, superblocks.scale_codes, sb, panels)
-        return (
-            c,
-            s,
-            _no_mins(s) if bits == 6 else _two_level(superblocks.dmin, superblocks.min_codes, sb, panels),
-        )
+        if derived is not None:
+            return c, s, derived
+        return c, s, _two_level(superblocks.dmin, superblocks.min_codes, sb, panels)
     s, m = _by_panel(scales.float(), panels), _by_panel(mins.float(), panels)
-    if exact_in_float16(s) and exact_in_float16(m):
+    if exact_in_float16(s) and (derived is not None or exact_in_float16(m)):
         s, m = s.half(), m.half()
-    return c, s, _no_mins(s) if bits == 6 else m
+    return c, s, derived if derived is not None else m
 
 
-def _no_mins(scales: torch.Tensor) -> torch.Tensor:
-    """The mins of a 6-bit (Q6_K) layout: none stored, the kernel takes -32 x the scales (exact)."""
-    return scales.new_empty(0)
+MIN_FACTORS = (-8, -16, -32, -128)  # GGUF's symmetric types: Q4_0, Q5_0, Q6_K, Q8_0 (m = -offset x d)
+
+
+def _min_factor(scales: torch.Tensor, mins: torch.Tensor) -> int | None:
+    """The power of two c with mins == c x scales exactly (then the layout keeps c, not the mins), or None."""
+    if not scales.numel():
+        return None
+    at = int(scales.abs().argmax())  # a nonzero scale, if any (an all-zero row block has 0 for both)
+    if float(scales.flatten()[at]) == 0:
+        return None
+    ratio = float(mins.flatten()[at]) / float(scales.flatten()[at])
+    c = next((c for c in MIN_FACTORS if c == ratio), None)
+    return c if c is not None and torch.equal(mins, c * scales) else None
+
+
+def min_factor(layout: tuple[torch.Tensor, ...]) -> float | None:
+    """The c of a layout that keeps its mins as c x its scales (one float32 element), or None."""
+    m = layout[2]
+    return float(m) if m.numel() == 1 else None
 
 
 def _mins(layout: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The layout's mins tensor in the scales' form: Q6_K's derived as -32 x the scales, where not stored.
-    Two-level: the super-scales times -32 (a power of two: exact), the same int8 codes."""
+    """The layout's mins tensor in the scales' form, derived (c x the scales) where only c is kept.
+    Two-level: the super-scales times c (a power of two: exact), the same int8 codes."""
     _, s, m = layout
-    if m.numel() or not s.numel():
+    c = min_factor(layout)
+    if c is None:
         return m
     if s.dtype != torch.uint8:
-        return -32 * s
-    d = s[..., :16].contiguous().view(torch.float16) * -32
+        return (c * s.float()).to(s.dtype)
+    d = (s[..., :16].contiguous().view(torch.float16).float() * c).half()
     return torch.cat((d.view(torch.uint8), s[..., 16:]), dim=-1)
 
 
@@ -228,8 +239,8 @@ def unpack(
             t = d.repeat_interleave(q.shape[1] // d.shape[1], dim=1) * q
         return _columns(t, out_features)
 
-    scales = groups(s)
-    return c, scales, groups(m) if m.numel() else -32 * scales  # Q6_K's mins: -32 x its scales
+    scales, factor = groups(s), min_factor(layout)
+    return c, scales, groups(m) if factor is None else factor * scales  # derived mins: c x the scales
 
 
 def rows(
@@ -258,8 +269,8 @@ def rows(
         d, q = d[at, :, col], q[at, :, col]
         return d.repeat_interleave(q.shape[1] // d.shape[1], dim=1) * q
 
-    scales = groups(s)
-    return c, scales, groups(m) if m.numel() else -32 * scales  # Q6_K's mins: -32 x its scales
+    scales, factor = groups(s), min_factor(layout)
+    return c, scales, groups(m) if factor is None else factor * scales  # derived mins: c x the scales
 
 
 def matmul(

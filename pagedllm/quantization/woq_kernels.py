@@ -123,12 +123,16 @@ class Avx2Kernel(WoqKernel):
     ROW_ALIGN = avx2.COLS  # a panel's columns
 
     def stackable(self, layouts: list[Layout]) -> bool:
+        # derived mins (one factor c each: avx2.min_factor) join only where every part has the same c
+        if len({avx2.min_factor(layout) for layout in layouts}) != 1:
+            return False
         return all(
             len({(t.dtype, tuple(t.shape[1:])) for t in parts}) == 1 for parts in zip(*layouts, strict=True)
         )
 
     def stack(self, layouts: list[Layout]) -> Layout:
-        return tuple(torch.cat(parts) for parts in zip(*layouts))  # panels lead every tensor
+        codes, scales, mins = (torch.cat(parts) for parts in zip(*layouts))  # panels lead every tensor
+        return codes, scales, layouts[0][2] if avx2.min_factor(layouts[0]) is not None else mins
 
     def supports(self, layer: QuantLinear, dtype: torch.dtype) -> bool:
         return dtype in (torch.float32, torch.bfloat16) and avx2.supports(

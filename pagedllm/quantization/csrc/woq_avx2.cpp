@@ -25,10 +25,13 @@ static at::Tensor check_args(const at::Tensor& x, const at::Tensor& codes, const
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.dim() == 3 &&
                   codes.size(0) == panels && codes.size(1) == K / kBlock && codes.size(2) == bits * 32,
               "woq_avx2: codes do not match x's K, N and bits");
+  // mins: their own tensor in the scales' form, or one float32 factor c (mins = c x scales: woq_avx2::mins_ref)
+  const bool derived = mins.numel() == 1;
+  TORCH_CHECK(!derived || mins.scalar_type() == at::kFloat, "woq_avx2: a derived mins factor must be float32");
   if (bits == 6)
-    TORCH_CHECK(mins.numel() == 0, "woq_avx2: the 6-bit (Q6_K) layout keeps no mins (-32 x the scales)");
-  TORCH_CHECK(scales.is_contiguous() && (bits == 6 || (scales.scalar_type() == mins.scalar_type() &&
-                                                       scales.sizes() == mins.sizes() && mins.is_contiguous())),
+    TORCH_CHECK(derived && mins.item<float>() == -32.f, "woq_avx2: the 6-bit (Q6_K) layout's mins are -32 x its scales");
+  TORCH_CHECK(scales.is_contiguous() && (derived || (scales.scalar_type() == mins.scalar_type() &&
+                                                     scales.sizes() == mins.sizes() && mins.is_contiguous())),
               "woq_avx2: scales and mins must be contiguous and of one form");
   const int64_t groups = K / group_size;
   if (scales.scalar_type() == at::kByte) {  // two-level: [panels, groups / sb, 16 + 8 sb] (woq_avx2::scale_ref)
@@ -63,8 +66,9 @@ at::Tensor gemv_fp32(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   TORCH_CHECK(x.size(0) == 1 && x.scalar_type() == at::kFloat, "woq_avx2: gemv_fp32 takes one float32 row");
   TORCH_CHECK(group_size % kBlock == 0, "woq_avx2: gemv_fp32 takes groups that are multiples of 32");
   at::Tensor out = at::empty({1, N}, x.options());
-  woq_avx2::gemv_fp32_into(x.data_ptr<float>(), x.size(1), codes.data_ptr<uint8_t>(), woq_avx2::scale_ref(scales),
-                           woq_avx2::scale_ref(mins), bits, group_size,
+  const woq_avx2::ScaleRef sc = woq_avx2::scale_ref(scales);
+  woq_avx2::gemv_fp32_into(x.data_ptr<float>(), x.size(1), codes.data_ptr<uint8_t>(), sc,
+                           woq_avx2::mins_ref(mins, sc), bits, group_size,
                            b.defined() ? b.data_ptr<float>() : nullptr, N, out.data_ptr<float>());
   return out;
 }

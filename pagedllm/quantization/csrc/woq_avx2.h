@@ -30,8 +30,9 @@
 //          k = 4v + i (low nibble) and k = 16 + 4v + i (high nibble).
 //   8-bit, 256 bytes a block: 8 vectors; in vector j, byte 4c + i holds (q - 128) as int8 for k = 4j + i.
 //   scales, mins: [panels, groups, 8] float16 when float16 holds them exactly (GGUF), two-level for GGUF's
-//          K-quant super-blocks (FlatScales / TwoLevelScales below), else float32. The 6-bit form (Q6_K)
-//          keeps no mins: they are -32 x the scales (panel_kernel_q6).
+//          K-quant super-blocks (FlatScales / TwoLevelScales below), else float32. Where every min is one
+//          power of two c times its scale (GGUF's symmetric types: Q4_0 c = -8, Q5_0 -16, Q6_K -32, Q8_0
+//          -128) the layout keeps no mins, only c (mins_ref): 0.0625 B a weight less to stream for Q4_0.
 // Why this order: one 32-bit broadcast of 4 activation bytes against a 32-byte vector gives the 8 columns'
 // 4-term dot products in 8 separate int32 lanes (VPMADDUBSW then VPMADDWD), so no horizontal sums are ever
 // needed and one unpacked weight vector is reused across up to 8 activation rows (kRows)
@@ -189,6 +190,7 @@ struct ScaleRef {
   const void* p;
   int shift = 0;
   int64_t stride = 0;
+  float factor = 0.f;  // mins only: nonzero where the layout keeps none and they are factor x the scales
 };
 
 inline ScaleRef scale_ref(const at::Tensor& t) {
@@ -201,6 +203,17 @@ inline ScaleRef scale_ref(const at::Tensor& t) {
   int shift = 0;
   while ((int64_t(1) << shift) < sb) ++shift;
   return {ScaleRef::kTwoLevel, t.data_ptr(), shift, t.size(2)};
+}
+
+// The mins as the layout keeps them: their own tensor, or (one float32 element c: GGUF's symmetric types,
+// Q4_0 -8, Q5_0 -16, Q6_K -32, Q8_0 -128) none, each group's min c x its scale, exact for a power of two.
+inline ScaleRef mins_ref(const at::Tensor& mins, const ScaleRef& scales) {
+  if (mins.numel() != 1) return scale_ref(mins);
+  TORCH_CHECK(mins.scalar_type() == at::kFloat, "woq_avx2: a derived mins factor must be one float32 element");
+  ScaleRef r = scales;
+  r.factor = mins.item<float>();
+  TORCH_CHECK(r.factor != 0.f, "woq_avx2: a derived mins factor cannot be 0");
+  return r;
 }
 
 // fn(scales, mins) with both as their accessor type (the two are always of one form: avx2.pack).
@@ -275,7 +288,7 @@ struct QuantizedX {
 // VPMADDWD by shifts and adds was slower (118 -> 106 GFLOP/s); the rows interleaved quad by quad instead
 // of one chain a row, the same speed; 32-byte loads instead of the 4-byte broadcasts, the same.
 template <int BITS, int R, typename S>
-inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes, S sc, S mn,
+inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes, S sc, S mn, float min_factor,
                          int64_t group_blocks, int64_t prefetch_groups, float (*res)[kCols]) {
   constexpr int64_t kBlockBytes = BITS == 4 ? 128 : 256;
   const int64_t K = a.K, nb = K / kBlock, groups = nb / group_blocks;
@@ -291,11 +304,12 @@ inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256 factor = _mm256_set1_ps(min_factor);
   for (int64_t g = 0; g < groups; ++g) {
     _mm_prefetch(reinterpret_cast<const char*>(sc.addr(g + prefetch_groups)), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(mn.addr(g + prefetch_groups)), _MM_HINT_T0);
+    if (min_factor == 0.f) _mm_prefetch(reinterpret_cast<const char*>(mn.addr(g + prefetch_groups)), _MM_HINT_T0);
     const __m256 s = sc.at(g);
-    __m256 m = mn.at(g);
+    __m256 m = min_factor == 0.f ? mn.at(g) : _mm256_mul_ps(s, factor);
     // 8-bit codes are stored as q - 128: s q + m = s (q - 128) + (m + 128 s)
     if constexpr (BITS == 8) m = _mm256_fmadd_ps(_mm256_set1_ps(128.f), s, m);
     for (int64_t b = g * group_blocks; b < (g + 1) * group_blocks; ++b) {
@@ -353,7 +367,7 @@ inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes
 // convert, a multiply and two FMAs more a block and row than panel_kernel<8>.
 template <int R, typename S>
 inline void panel_kernel_g16(const QuantizedX& a, int64_t row0, const uint8_t* codes, S sc, S mn,
-                             int64_t prefetch_groups, float (*res)[kCols]) {
+                             float min_factor, int64_t prefetch_groups, float (*res)[kCols]) {
   constexpr int64_t kBlockBytes = 256;
   const int64_t K = a.K, nb = K / kBlock;
   const int8_t* xq[R];
@@ -366,10 +380,11 @@ inline void panel_kernel_g16(const QuantizedX& a, int64_t row0, const uint8_t* c
   }
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256 k128 = _mm256_set1_ps(128.f);
+  const __m256 k128 = _mm256_set1_ps(128.f), factor = _mm256_set1_ps(min_factor);
   for (int64_t b = 0; b < nb; ++b) {
     _mm_prefetch(reinterpret_cast<const char*>(sc.addr(2 * b + prefetch_groups)), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(mn.addr(2 * b + prefetch_groups)), _MM_HINT_T0);
+    if (min_factor == 0.f)
+      _mm_prefetch(reinterpret_cast<const char*>(mn.addr(2 * b + prefetch_groups)), _MM_HINT_T0);
     const uint8_t* c = codes + b * kBlockBytes;
     for (int64_t line = 0; line < kBlockBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchBytes + line), _MM_HINT_T0);
@@ -386,7 +401,7 @@ inline void panel_kernel_g16(const QuantizedX& a, int64_t row0, const uint8_t* c
       }
       // 8-bit codes are stored as q - 128: s q + m = s (q - 128) + (m + 128 s)
       const __m256 s = sc.at(g);
-      const __m256 m = _mm256_fmadd_ps(k128, s, mn.at(g));
+      const __m256 m = _mm256_fmadd_ps(k128, s, min_factor == 0.f ? mn.at(g) : _mm256_mul_ps(s, factor));
       for (int r = 0; r < R; ++r) {
         const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(xd[r][b]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
@@ -406,7 +421,7 @@ inline void panel_kernel_g16(const QuantizedX& a, int64_t row0, const uint8_t* c
 // shift: s q + m with the file's m = -32 s. The integer sums are the 8-bit path's exactly; the float steps
 // apply m rather than m + 128 s, so results agree within float32 rounding, not bit for bit.
 template <int R, typename S>
-inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* codes, S sc, S,
+inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* codes, S sc, S, float,
                             int64_t prefetch_groups, float (*res)[kCols]) {
   constexpr int64_t kBlockBytes = block_bytes(6);
   const int64_t K = a.K, nb = K / kBlock;
@@ -457,18 +472,19 @@ inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* co
 // panel_kernel (panel_kernel_g16 for HALF: group 16) for `rows` (1..kRows<BITS>) rows
 template <int BITS, typename S, bool HALF = false, int R = 1>
 inline void dispatch_rows(int rows, const QuantizedX& a, int64_t row0, const uint8_t* codes, S sc,
-                          S mn, int64_t group_blocks, int64_t prefetch_groups, float (*res)[kCols]) {
+                          S mn, float min_factor, int64_t group_blocks, int64_t prefetch_groups,
+                          float (*res)[kCols]) {
   if constexpr (R < kRows<BITS>) {
     if (rows != R)
-      return dispatch_rows<BITS, S, HALF, R + 1>(rows, a, row0, codes, sc, mn, group_blocks, prefetch_groups,
-                                                 res);
+      return dispatch_rows<BITS, S, HALF, R + 1>(rows, a, row0, codes, sc, mn, min_factor, group_blocks,
+                                                 prefetch_groups, res);
   }
   if constexpr (HALF && BITS == 6)
-    panel_kernel_q6<R, S>(a, row0, codes, sc, mn, prefetch_groups, res);
+    panel_kernel_q6<R, S>(a, row0, codes, sc, mn, min_factor, prefetch_groups, res);
   else if constexpr (HALF)
-    panel_kernel_g16<R, S>(a, row0, codes, sc, mn, prefetch_groups, res);
+    panel_kernel_g16<R, S>(a, row0, codes, sc, mn, min_factor, prefetch_groups, res);
   else
-    panel_kernel<BITS, R, S>(a, row0, codes, sc, mn, group_blocks, prefetch_groups, res);
+    panel_kernel<BITS, R, S>(a, row0, codes, sc, mn, min_factor, group_blocks, prefetch_groups, res);
 }
 
 // float32 -> bf16, round to nearest even (as torch's .to(bfloat16), NaN aside)
@@ -503,8 +519,8 @@ inline void store_tile(const float (*res)[kCols], int R, int64_t row0, int64_t p
 // Panels [p_begin, p_end) for all M rows: strip by strip (kStripBytes of codes), every kRows-row block of x
 // over a strip before the next. HALF: group 16 (8-bit codes), two groups a block.
 template <int BITS, typename S, typename T, bool HALF = false>
-void run_panels(const QuantizedX& a, int64_t M, const uint8_t* codes, S sc, S mn, int64_t group_size,
-                const float* bias, int64_t N, T* out, int64_t p_begin, int64_t p_end) {
+void run_panels(const QuantizedX& a, int64_t M, const uint8_t* codes, S sc, S mn, float min_factor,
+                int64_t group_size, const float* bias, int64_t N, T* out, int64_t p_begin, int64_t p_end) {
   constexpr int64_t kBlockBytes = block_bytes(BITS);
   const int64_t nb = a.K / kBlock, groups = a.K / group_size, group_blocks = HALF ? 1 : group_size / kBlock;
   const int64_t panel_bytes = nb * kBlockBytes;
@@ -518,8 +534,8 @@ void run_panels(const QuantizedX& a, int64_t M, const uint8_t* codes, S sc, S mn
       const int R = int(std::min<int64_t>(kRows<BITS>, M - r0));
       for (int64_t p = ps; p < pe; ++p) {
         const uint8_t* c = codes + p * panel_bytes;
-        dispatch_rows<BITS, S, HALF>(R, a, r0, c, sc.panel(p, groups), mn.panel(p, groups), group_blocks,
-                                     prefetch_groups, res);
+        dispatch_rows<BITS, S, HALF>(R, a, r0, c, sc.panel(p, groups), mn.panel(p, groups), min_factor,
+                                     group_blocks, prefetch_groups, res);
         store_tile<T>(res, R, r0, p, bias, N, out);
       }
     }
@@ -581,18 +597,18 @@ void matmul_into(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / panel_work);
   // many rows: chunks of whole strips (run_panels keeps a strip's codes in L2 across the row blocks)
   const int64_t strip = M > kRows<4> ? std::max<int64_t>(1, kStripBytes / (nb * block_bytes(bits))) : 1;
-  // Q6_K's layout keeps no mins (panel_kernel_q6 derives them): its scales stand in, never read as mins
-  with_scales(scales, bits == 6 ? scales : mins, [&](auto sc, auto mn) {
+  // mins derived from the scales (mins.factor): the scales stand in for them, never read as mins
+  with_scales(scales, mins.factor != 0.f ? scales : mins, [&](auto sc, auto mn) {
     using S = decltype(sc);
     parallel_chunks(panels, grain, strip, [&](int64_t begin, int64_t end) {
       if (bits == 4)
-        run_panels<4, S, T>(a, M, codes, sc, mn, group_size, bias, N, out, begin, end);
+        run_panels<4, S, T>(a, M, codes, sc, mn, mins.factor, group_size, bias, N, out, begin, end);
       else if (bits == 6)  // Q6_K's 6-bit codes: group 16 only
-        run_panels<6, S, T, true>(a, M, codes, sc, mn, group_size, bias, N, out, begin, end);
+        run_panels<6, S, T, true>(a, M, codes, sc, mn, mins.factor, group_size, bias, N, out, begin, end);
       else if (half)
-        run_panels<8, S, T, true>(a, M, codes, sc, mn, group_size, bias, N, out, begin, end);
+        run_panels<8, S, T, true>(a, M, codes, sc, mn, mins.factor, group_size, bias, N, out, begin, end);
       else
-        run_panels<8, S, T>(a, M, codes, sc, mn, group_size, bias, N, out, begin, end);
+        run_panels<8, S, T>(a, M, codes, sc, mn, mins.factor, group_size, bias, N, out, begin, end);
     });
   });
 }
@@ -606,7 +622,7 @@ inline at::Tensor matmul_tensor(const at::Tensor& x, const at::Tensor& codes, co
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, N}, x.options());
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  const ScaleRef sc = scale_ref(scales), mn = bits == 6 ? sc : scale_ref(mins);  // Q6_K: no mins kept
+  const ScaleRef sc = scale_ref(scales), mn = mins_ref(mins, sc);
   if (x.scalar_type() == at::kFloat)
     matmul_into(x.data_ptr<float>(), M, K, codes.data_ptr<uint8_t>(), sc, mn, bits,
                 group_size, bp, N, out.data_ptr<float>());
@@ -623,7 +639,7 @@ inline at::Tensor matmul_tensor(const at::Tensor& x, const at::Tensor& codes, co
 // default model cold 11.4 ms vs 8.2 ms. So matmul quantizes x to int8 for every M, 1 included.
 template <int BITS, typename S>
 inline void panel_fp32(const float* x, const float* xsum, int64_t K, const uint8_t* codes, S sc, S mn,
-                       int64_t group_blocks, float* res) {
+                       float min_factor, int64_t group_blocks, float* res) {
   constexpr int64_t kBlockBytes = BITS == 4 ? 128 : 256;
   const int64_t groups = K / kBlock / group_blocks;
   const __m256i nibble = _mm256_set1_epi8(0x0F), byte = _mm256_set1_epi32(0xFF);
@@ -652,7 +668,8 @@ inline void panel_fp32(const float* x, const float* xsum, int64_t K, const uint8
     }
     const __m256 dot = _mm256_add_ps(_mm256_add_ps(d[0], d[1]), _mm256_add_ps(d[2], d[3]));
     acc = _mm256_fmadd_ps(dot, sc.at(g), acc);
-    acc = _mm256_fmadd_ps(mn.at(g), _mm256_set1_ps(xsum[g]), acc);
+    const __m256 m = min_factor == 0.f ? mn.at(g) : _mm256_mul_ps(sc.at(g), _mm256_set1_ps(min_factor));
+    acc = _mm256_fmadd_ps(m, _mm256_set1_ps(xsum[g]), acc);
   }
   _mm256_storeu_ps(res, acc);
 }
@@ -665,16 +682,16 @@ inline void gemv_fp32_into(const float* x, int64_t K, const uint8_t* codes, cons
   std::vector<float> xsum(groups, 0.f);
   for (int64_t k = 0; k < K; ++k) xsum[k / group_size] += x[k];
   const int64_t panel_bytes = K / kBlock * (bits == 4 ? 128 : 256);
-  with_scales(scales, mins, [&](auto sc, auto mn) {
+  with_scales(scales, mins.factor != 0.f ? scales : mins, [&](auto sc, auto mn) {
     at::parallel_for(0, panels, std::max<int64_t>(1, 16384 / panel_bytes), [&](int64_t begin, int64_t end) {
       alignas(32) float res[1][kCols];
       for (int64_t p = begin; p < end; ++p) {
         const auto s = sc.panel(p, groups);
         const auto m = mn.panel(p, groups);
         if (bits == 4)
-          panel_fp32<4>(x, xsum.data(), K, codes + p * panel_bytes, s, m, group_size / kBlock, res[0]);
+          panel_fp32<4>(x, xsum.data(), K, codes + p * panel_bytes, s, m, mins.factor, group_size / kBlock, res[0]);
         else
-          panel_fp32<8>(x, xsum.data(), K, codes + p * panel_bytes, s, m, group_size / kBlock, res[0]);
+          panel_fp32<8>(x, xsum.data(), K, codes + p * panel_bytes, s, m, mins.factor, group_size / kBlock, res[0]);
         store_tile<float>(res, 1, 0, p, bias, N, out);
       }
     });
