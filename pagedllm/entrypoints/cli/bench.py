@@ -74,7 +74,10 @@ def _add_throughput(sub) -> None:
         "request at a time and as one low-level batch)",
     )
     t.add_argument(
-        "--peer-threads", type=int, default=2, help="threads of llama.cpp and OpenVINO (default: 2)"
+        "--peer-threads",
+        type=int,
+        default=None,
+        help="threads of llama.cpp and OpenVINO (default: --threads, else 2): the same count as ours",
     )
     t.add_argument(
         "--llama-server",
@@ -283,22 +286,23 @@ def _peer_unavailable(peer: str, model_path: Path, args) -> str | None:
 
 def _peer_runs(peer: str, model_path: Path, prompts, args) -> dict[str, list[dict]]:
     """{row name: [run, ...]}: llama-cpp-python gives two rows (one at a time, one batch)."""
+    threads = args.peer_threads or getattr(args, "threads", None) or 2
     if peer == "llama.cpp":
         from pagedllm.bench import llamacpp_server
 
         binary = llamacpp_server.binary_path(args.llama_server)
         return {
             "llama.cpp": llamacpp_server.run_llama_server(
-                binary, model_path, prompts, args.peer_threads, args.repeat
+                binary, model_path, prompts, threads, args.repeat
             )
         }
     if peer == "openvino":
         from pagedllm.bench import openvino
 
-        return {"openvino": openvino.run_openvino(model_path, prompts, args.peer_threads, args.repeat)}
+        return {"openvino": openvino.run_openvino(model_path, prompts, threads, args.repeat)}
     from pagedllm.bench import llamacpp
 
-    return llamacpp.run_llamacpp(model_path, prompts, args.peer_threads, args.repeat)
+    return llamacpp.run_llamacpp(model_path, prompts, threads, args.repeat)
 
 
 def _format_throughput(report: dict) -> str:

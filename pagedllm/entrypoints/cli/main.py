@@ -7,6 +7,7 @@ import difflib
 import importlib
 import sys
 
+from pagedllm import cpu_bind
 from pagedllm.entrypoints.engine_args import apply_threads
 from pagedllm.errors import InputError
 from pagedllm.version import __version__
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        if hasattr(args, "threads"):  # a command that runs a model: PAGEDLLM_CPU_BIND=cores pins its threads
+            cpu_bind.apply()  # before torch loads (libgomp reads its binding once)
         apply_threads(args)  # before run(): the thread pools must be sized before the model loads
         return int(args.run(args) or 0)
     except InputError as e:
