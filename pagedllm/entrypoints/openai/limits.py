@@ -27,6 +27,21 @@ from pagedllm.entrypoints.openai.errors import scoped_error_response
 logger = logging.getLogger("pagedllm.server")
 
 
+def replaying(body: bytes, receive: Receive) -> Receive:
+    """An ASGI receive that gives the app the whole body, already read, in one message; later calls wait
+    on the real receive (for the disconnect, as the app expects)."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
 @dataclass(frozen=True)
 class HTTPLimits:
     max_body_bytes: int = 8 * 2**20  # a 128k-token prompt is well under 1 MiB of text
@@ -77,17 +92,7 @@ class BodyLimitMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # later calls wait for the disconnect, as the app expects
-
-        await self.app(scope, replay, self._bounded_send(send))
+        await self.app(scope, replaying(b"".join(chunks), receive), self._bounded_send(send))
 
     def _bounded_send(self, send: Send) -> Send:
         timeout = self.limits.write_timeout

@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
 from pagedllm.entrypoints.openai.errors import error_response, scoped_error_response
+from pagedllm.entrypoints.openai.limits import replaying
 from pagedllm.entrypoints.openai.model_registry import ModelEntry, ModelLoadTimeout, ModelRegistry
 from pagedllm.entrypoints.openai.protocol import ModelCard
 from pagedllm.metrics import CONTENT_TYPE_LATEST, render_by_model
@@ -86,19 +87,10 @@ class ModelRouter:
             await self._dispatch(name or self.registry.default, scope, receive, send)
             return
         body = await _read_body(receive)
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
         name = self._body_model(body, path)
         if name is None:
             name = self.registry.default if body else self._recent()
-        await self._dispatch(name, scope, replay, send)
+        await self._dispatch(name, scope, replaying(body, receive), send)
 
     # ------------------------------------------------------------------ dispatch
 

@@ -430,7 +430,7 @@ def run_server(args: argparse.Namespace) -> int:
     # lifespan off: the real app arrives after uvicorn's startup; DrainingServer stops its engine instead
     limits = http_limits(args)
     data_parallel = uses_ray(args)  # checked before listening: a bad value or missing ray is exit 2
-    reasoning_parser, enable_in_reasoning = reasoning_options(args)
+    reasoning_options(args)  # checked before listening: a bad --reasoning-parser is exit 2
     config = uvicorn.Config(
         gate,
         host=args.host,
@@ -466,20 +466,7 @@ def run_server(args: argparse.Namespace) -> int:
                 engine.warm_up()
                 gate.engine = AsyncEngine(engine, max_num_waiting=args.max_num_waiting)
             loras = make_lora_models(args, gate.engine, [name])  # --enable-lora: --lora-modules checked now
-            gate.app = build_app(
-                gate.engine,
-                served_model_names=[name],
-                api_key=args.api_key,
-                model_root=args.model,
-                shutdown_timeout=args.shutdown_timeout,
-                tool_call_parser=args.tool_call_parser,
-                limits=limits,
-                kv_debug_routes=args.kv_debug_routes,
-                pooling=pooling,
-                reasoning_parser=reasoning_parser,
-                enable_in_reasoning=enable_in_reasoning,
-                loras=loras,
-            )
+            gate.app = _app_of(args, gate.engine, name, limits, pooling, loras)
             logger.info("ready: serving %s on http://%s:%d", name, args.host, args.port)
         except BaseException as e:  # a bad option or model: stop the server and report it as the CLI would
             failure.append(e)
@@ -499,7 +486,6 @@ def _load_model(args: argparse.Namespace, spec: ModelSpec, limits: HTTPLimits) -
     args = argparse.Namespace(
         **{**vars(args), "model": spec.path, "served_model_name": spec.name, "models": None}
     )
-    reasoning_parser, enable_in_reasoning = reasoning_options(args)
     pooling = make_pooling_engine(args)
     engine: EngineClient
     if pooling is not None:
@@ -508,11 +494,18 @@ def _load_model(args: argparse.Namespace, spec: ModelSpec, limits: HTTPLimits) -
         llm = make_engine(args)
         llm.warm_up()
         engine = AsyncEngine(llm, max_num_waiting=args.max_num_waiting)
-    app = build_app(
+    app = _app_of(args, engine, spec.name, limits, pooling)
+    return LoadedModel(app=app, engine=engine, metrics=app.state.metrics)
+
+
+def _app_of(args: argparse.Namespace, engine, name: str, limits: HTTPLimits, pooling, loras=None) -> FastAPI:
+    """The one-model app over `engine` as the serve options ask (a server of several builds one a model)."""
+    reasoning_parser, enable_in_reasoning = reasoning_options(args)
+    return build_app(
         engine,
-        served_model_names=[spec.name],
+        served_model_names=[name],
         api_key=args.api_key,
-        model_root=spec.path,
+        model_root=args.model,
         shutdown_timeout=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser,
         limits=limits,
@@ -520,8 +513,8 @@ def _load_model(args: argparse.Namespace, spec: ModelSpec, limits: HTTPLimits) -
         pooling=pooling,
         reasoning_parser=reasoning_parser,
         enable_in_reasoning=enable_in_reasoning,
+        loras=loras,
     )
-    return LoadedModel(app=app, engine=engine, metrics=app.state.metrics)
 
 
 def _model_registry(args: argparse.Namespace, specs: list[ModelSpec], limits: HTTPLimits) -> ModelRegistry:
