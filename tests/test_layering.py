@@ -42,6 +42,7 @@ LAYERS: list[set[str]] = [
         "pagedllm.kernels",  # the list of C++ kernels and their tiers
         "pagedllm.plot_style",  # the look of every PNG: bench plots and `plan --plot`
         "pagedllm.distributed",  # tensor parallelism: the split of a model over ranks, the collectives
+        "pagedllm.cpu_bind",  # PAGEDLLM_CPU_BIND: torch's threads pinned, before torch loads
     },
     {
         "pagedllm.config",
