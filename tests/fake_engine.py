@@ -55,6 +55,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0  # the real RequestOutput's (usage.prompt_tokens_details.cached_tokens)
 
 
 @dataclass

@@ -186,8 +186,14 @@ class AsyncPoolingEngine:
     async def validate_structured_outputs(self, params: Any) -> None:
         raise self._refuse()
 
-    async def add_request(self, request_id, prompt, params, arrival_time=None):
+    async def add_request(self, request_id, prompt, params, arrival_time=None, priority=0, lora_request=None):
         raise self._refuse()
+
+    async def add_lora(self, lora_request: Any) -> int:
+        raise InputError("LoRA adapters are for generative models; this server's model pools", param="lora")
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return False  # none was ever registered
 
     async def generate(self, prompt, params, request_id=None) -> AsyncIterator[Any]:
         raise self._refuse()
