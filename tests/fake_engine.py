@@ -56,6 +56,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0  # the real RequestOutput's (usage.prompt_tokens_details.cached_tokens)
+    prompt_logprobs: list | None = None  # the real one's; the fake computes none (a response says null)
 
 
 @dataclass
