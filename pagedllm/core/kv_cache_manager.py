@@ -106,7 +106,7 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else None
             # a LoRA adapter's KV differs from the base's and every other adapter's: its id salts the first
             # block's hash, and the chain carries it to every later block
-            lora = getattr(request, "lora_int_id", 0) or None
+            lora = request.lora_int_id or None
             for i in range(len(hashes), num_full_blocks):
                 parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], lora if i == 0 else None)
                 hashes.append(parent)
@@ -132,7 +132,7 @@ class KVCacheManager:
         self.prefix_cache_stats.hits += len(blocks) * self.block_size
         # not for a LoRA adapter's request: its hashes are salted by lora_int_id, a number each process
         # gives its adapters in load order, so another server's blocks under it may be another adapter's
-        if self.offload is not None and len(blocks) < max_blocks and not getattr(request, "lora_int_id", 0):
+        if self.offload is not None and len(blocks) < max_blocks and not request.lora_int_id:
             blocks += self._load_offloaded(request, blocks, max_blocks)
         return blocks, len(blocks) * self.block_size
 

@@ -452,7 +452,7 @@ class OpenAIServingChat(OpenAIServing):
                     [ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role=ROLE, content=""))]
                 )
             async for output in stream:
-                cached_tokens = getattr(output, "num_cached_tokens", 0)
+                cached_tokens = output.num_cached_tokens
                 for out in output.outputs:
                     state = states[out.index]
                     if state.finished:

@@ -190,7 +190,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
         choices.sort(key=lambda c: c.index)
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
-        cached_tokens = sum(getattr(f, "num_cached_tokens", 0) for f in finals)
+        cached_tokens = sum(f.num_cached_tokens for f in finals)
         usage = UsageInfo(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
@@ -215,7 +215,7 @@ class OpenAIServingCompletion(OpenAIServing):
         cached_tokens: dict[int, int] = {}  # per prompt, from its latest output
         try:
             async for p_idx, output in merge_streams(streams):
-                cached_tokens[p_idx] = getattr(output, "num_cached_tokens", 0)
+                cached_tokens[p_idx] = output.num_cached_tokens
                 chunks = []
                 for out in output.outputs:
                     index = p_idx * n + out.index
