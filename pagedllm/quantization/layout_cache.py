@@ -58,6 +58,12 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
+# Taken once, when the packers are imported (woq_kernels above imports them): the digest of the code this
+# process runs. Read at each load instead, a process that outlived an edit of a packer would file the old
+# code's layouts under the new code's key, and every later process would read them as current.
+SOURCE_DIGEST = _source_digest()
+
+
 class LayoutCache:
     """The cached layouts of one GGUF file for one dtype and backend: get() on load, put() + save() once
     after a load that missed."""
@@ -89,7 +95,7 @@ class LayoutCache:
         )
         # <stem>-<variant>-<sources>.pt: a file of this variant with other sources can never be read again,
         # so save() removes it
-        path = root / f"{Path(gguf_path).stem}-{_digest(variant)}-{_source_digest()[:12]}.pt"
+        path = root / f"{Path(gguf_path).stem}-{_digest(variant)}-{SOURCE_DIGEST[:12]}.pt"
         return cls(path, cls._read(path), (dtype, ops.backend("quantized_linear")))
 
     @staticmethod
