@@ -59,6 +59,11 @@ KERNELS: dict[str, Kernel] = {
         min_tier="amx",
         fixed_tier="amx",
     ),
+    "lora": Kernel(
+        "pagedllm_lora",
+        "lora/csrc/lora.cpp",
+        "each row's LoRA adapter product added in place: its slot's A, then each slice's block of B",
+    ),
     "decode_stack": Kernel(
         "pagedllm_decode_stack",
         "model/csrc/decode_stack.cpp",

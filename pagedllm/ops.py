@@ -18,8 +18,9 @@ Ops (the code that dispatches on them):
     argmax            greedy sampling of a whole batch (worker/sampler.py)
     decoder_stack     all decoder layers of a decode step in one fused call, or the model's layer loop
                       (model/decode_stack.py; whether a model can take it is decided with the model)
-    lora              every row's LoRA adapter product, all adapters and rows of a linear in one shrink and
-                      one expand (lora/punica.py); torch only for now
+    lora              every row's LoRA adapter product added to its linear's output, all adapters and rows
+                      of a linear in one call (lora/punica.py; C++ in lora/csrc/lora.h, also called by the
+                      decoder stack)
 
 Batch invariance (--batch-invariant, vLLM's VLLM_BATCH_INVARIANT): an engine built with it gives a request the
 same numbers, so the same greedy tokens, whatever else is in its steps (alone, in a batch, chunked, after a
@@ -195,8 +196,12 @@ def select(caps: platform.Capabilities) -> dict[str, Choice]:
         )
     else:
         out["decoder_stack"] = Choice("decoder_stack", REFERENCE, "the model's layer loop, each op as above")
-    out["lora"] = Choice(
-        "lora", REFERENCE, "masked stacked shrink and expand: two F.linear calls per linear for every adapter's rows"
+    pick(
+        "lora",
+        "lora",
+        f"cpp-{tier}",
+        "each row through its own slot's A and each slice's block of B, added in place (one call a linear)",
+        "masked stacked shrink and expand: two F.linear calls per linear for every adapter's rows",
     )
     return out
 

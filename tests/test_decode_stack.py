@@ -66,10 +66,11 @@ def tiny_llama_int8(tmp_path_factory):
     return fused(save_tiny_llama(tmp_path_factory.mktemp("llama")), "int8")
 
 
-def stack_and_loop(model, lengths: list[int], steps: int, block_size: int = 16):
+def stack_and_loop(model, lengths: list[int], steps: int, block_size: int = 16, before_step=None):
     """Prefill len(lengths) random sequences one by one, then decode `steps` tokens for all of them
     together; every step once through the stack and once through the layer loop, on two copies of the
-    caches. Returns [(stack hidden, loop hidden)] for every step and the two final caches."""
+    caches. before_step([(sequence, rows)]), where given, is told each step's rows first (LoRA's row map).
+    Returns [(stack hidden, loop hidden)] for every step and the two final caches."""
     cfg = model.config
     gen = torch.Generator().manual_seed(sum(lengths))
     total = [n + steps for n in lengths]
@@ -111,6 +112,8 @@ def stack_and_loop(model, lengths: list[int], steps: int, block_size: int = 16):
             seq_lens_tensor=torch.tensor([n]),
             block_size=block_size,
         )
+        if before_step is not None:
+            before_step([(i, n)])
         both(ids[i][:n], torch.arange(n), meta)
     for s in range(steps):
         pos = [n + s for n in lengths]
@@ -123,6 +126,8 @@ def stack_and_loop(model, lengths: list[int], steps: int, block_size: int = 16):
             seq_lens_tensor=torch.tensor([p + 1 for p in pos]),
             block_size=block_size,
         )
+        if before_step is not None:
+            before_step([(i, 1) for i in range(len(lengths))])
         both(torch.stack([ids[i][p] for i, p in enumerate(pos)]), torch.tensor(pos), meta)
     return hidden, caches, loop_caches
 
@@ -313,3 +318,42 @@ def test_avx2_stack_takes_projections_that_cannot_merge(lengths, tiny_llama_path
     assert model.model.layers[1].self_attn.qkv_proj is not None  # the other layers merge as before
     assert model.decode_stack is not None and decode_stack.supports(model) is None
     assert_stack_equals_loop(model, lengths, steps=3)
+
+
+@needs_avx2
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_stack_adds_lora_adapters_as_the_layer_loop_does(dtype, tmp_path):
+    """The default GGUF model with LoRA adapters (lora/manager.py attaches the LoRALinears' buffers to the
+    stack): prefills and decode steps mixing two adapters and the base give the layer loop's hidden states
+    and caches bit for bit (both add the adapters with the `lora` op's C++ code), and the adapters change
+    them (the stack does add them)."""
+    from lora_helpers import write_random_adapter
+
+    from pagedllm.lora.manager import LoRAModelManager
+    from pagedllm.lora.request import LoRAConfig, LoRARequest
+
+    if ops.kernel("lora") is None:
+        pytest.skip("no C++ lora op here: the stack runs only steps without adapter rows")
+    model, cfg = build_model(default_model_path(), dtype, "gguf", show_progress=False)
+    fuse_for_inference(model)
+    plain = [h for h, _ in stack_and_loop(model, [9, 1, 20], 3)[0]]
+    manager = LoRAModelManager(model, cfg, LoRAConfig(max_loras=2, max_lora_rank=8), dtype)
+    assert model.decode_stack is not None
+    modules = {
+        layer: ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"] for layer in range(cfg.num_layers)
+    }
+    for i in (1, 2):
+        folder = write_random_adapter(tmp_path / f"a{i}", cfg, 4 * i, modules, scale=0.2, seed=i)
+        manager.add_adapter(LoRARequest(f"a{i}", i, str(folder)))
+    adapter_of = [1, 0, 2]  # sequence -> lora_int_id (0: the base)
+    hidden, caches, loop_caches = stack_and_loop(
+        model,
+        [9, 1, 20],
+        3,
+        before_step=lambda rows: manager.set_batch([(adapter_of[i], n) for i, n in rows]),
+    )
+    for got, want in hidden:
+        assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for a, b in zip(caches, loop_caches))
+    assert torch.equal(hidden[1][0], plain[1])  # the base sequence's prefill: nothing added
+    assert not torch.equal(hidden[0][0], plain[0]) and not torch.equal(hidden[2][0], plain[2])

@@ -14,10 +14,10 @@ from lora_helpers import reference_greedy, save_adapter, write_random_adapter
 from safetensors.torch import load_file, save_file
 from tiny_models import save_tiny_llama
 
-from pagedllm import LLM, LoRARequest, SamplingParams
+from pagedllm import LLM, LoRARequest, SamplingParams, ops
 from pagedllm.errors import InputError
-from pagedllm.lora.layers import FLOAT32_MAX_ROWS, LoRABatch, LoRALinear
-from pagedllm.lora.punica import lora_shrink_expand
+from pagedllm.lora.layers import LoRABatch, LoRALinear
+from pagedllm.lora.punica import FLOAT32_MAX_ROWS, add_lora
 from pagedllm.quantization.linear import QuantLinear
 
 MAX_TOKENS = 10
@@ -201,11 +201,20 @@ def test_quantized_base_keeps_its_quantized_linears(folders):
     assert [o.outputs[0].token_ids for o in mixed] == [base, alone]
 
 
-def test_op_equals_a_loop_over_rows():
-    """The masked stacked product gives every row its own slot's (block-diagonal over 3 slices) product,
-    and exactly zero for a base row."""
+@pytest.mark.parametrize("backend", ["table", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows", [7, 700])  # 700: past the C++ op's one-thread size, the parallel path
+def test_op_equals_a_loop_over_rows(backend, dtype, num_rows):
+    """The op (the table's backend: C++ where it builds, and the torch reference) gives every row its own
+    slot's product (block-diagonal over 3 slices), added to y, and exactly nothing to a base row."""
     g = torch.Generator().manual_seed(0)
-    slots, n, r, d, widths = 3, 3, 4, 16, (8, 4, 4)
+    slots, n, r, d, widths = (
+        3,
+        3,
+        3,
+        40,
+        (24, 8, 8),
+    )  # rank 3: the C++ shrink's rows 4 at a time, and a remainder
     a = torch.randn(slots, n, r, d, generator=g)
     bs = [[torch.randn(w, r, generator=g) for w in widths] for _ in range(slots)]
     b = torch.zeros(sum(widths), slots * n * r)
@@ -215,18 +224,24 @@ def test_op_equals_a_loop_over_rows():
             col = (s * n + i) * r
             b[off : off + w, col : col + r] = bs[s][i]
             off += w
-    row_slots = torch.tensor([0, -1, 2, 1, 2, -1, 0])
-    mask = torch.zeros(len(row_slots), slots)
+    batch = LoRABatch(num_slots=slots, rank=r)
+    row_slots = torch.tensor([0, -1, 2, 1, 2, -1, 0] * (num_rows // 7))
+    batch.set(row_slots)
+    x = torch.randn(len(row_slots), d, generator=g).to(dtype)
+    y = torch.randn(len(row_slots), sum(widths), generator=g).to(dtype)
+    full = (a.reshape(-1, d), b.T.contiguous())
+    half = tuple(t.to(dtype) for t in full) if dtype != torch.float32 else None
+    with ops.forced(**({"lora": "torch"} if backend == "torch" else {})):
+        got = add_lora(y.clone(), x, full, half, batch, list(widths))
+    assert got.dtype == dtype
     for t, s in enumerate(row_slots.tolist()):
-        if s >= 0:
-            mask[t, s] = 1
-    x = torch.randn(len(row_slots), d, generator=g)
-    got = lora_shrink_expand(x, a.reshape(-1, d), b.T.contiguous(), mask.repeat_interleave(n * r, dim=1))
-    for t, s in enumerate(row_slots.tolist()):
-        want = (
-            torch.zeros(sum(widths)) if s < 0 else torch.cat([bs[s][i] @ (a[s, i] @ x[t]) for i in range(n)])
-        )
-        torch.testing.assert_close(got[t], want)
+        if s < 0:
+            assert torch.equal(got[t], y[t])
+            continue
+        delta = torch.cat([bs[s][i] @ (a[s, i] @ x[t].float()) for i in range(n)])
+        # bf16: x, the weights, y and the sum each rounded to 8 bits (products of ~10, some cancelling)
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.3, rtol=0.03)
+        torch.testing.assert_close(got[t].float(), y[t].float() + delta, **tol)
 
 
 def test_plan_counts_the_adapter_memory_the_engine_allocates(llm, folders, capsys):
@@ -284,9 +299,11 @@ def test_gguf_native_base_keeps_its_blocks(tmp_path):
     assert mixed[1].outputs[0].token_ids[0] == alone[0]
 
 
-def test_a_bf16_model_takes_float32_for_few_rows_and_bf16_for_many():
-    """LoRALinear over a bf16 linear: up to FLOAT32_MAX_ROWS rows the product is float32's, beyond them the
-    bf16 copy's; both are the adapter's product (to bf16 rounding), and a base row gets exactly nothing."""
+@pytest.mark.parametrize("backend", ["table", "torch"])
+def test_a_bf16_model_adds_the_adapter_product(backend):
+    """LoRALinear over a bf16 linear, on few rows and many: the reference takes float32 weights up to
+    FLOAT32_MAX_ROWS rows and the bf16 copy beyond, the C++ backend the bf16 copy; each is the adapter's
+    product (to bf16 rounding), and a base row gets exactly nothing."""
     torch.manual_seed(0)
     base = torch.nn.Linear(32, 24, bias=False).to(torch.bfloat16)
     batch = LoRABatch(num_slots=2, rank=4)
@@ -297,7 +314,8 @@ def test_a_bf16_model_takes_float32_for_few_rows_and_bf16_for_many():
         x = torch.randn(rows, 32).to(torch.bfloat16)
         slots = torch.tensor([1, -1] * (rows // 2))
         batch.set(slots)
-        got = layer(x).float() - base(x).float()
+        with ops.forced(**({"lora": "torch"} if backend == "torch" else {})):
+            got = layer(x).float() - base(x).float()
         want = (x.float() @ a.T @ b.T) * (slots == 1)[:, None]
         torch.testing.assert_close(got, want, atol=0.1, rtol=0.03)
         assert (got[slots == -1] == 0).all()

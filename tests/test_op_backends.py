@@ -1,4 +1,4 @@
-"""ops.forced(<op>="torch") changes what runs, for each of the 8 ops of the table (ops.py), on any tier.
+"""ops.forced(<op>="torch") changes what runs, for each of the 9 ops of the table (ops.py), on any tier.
 
 Each test watches what actually executes, not what the table says: the ATen ops the torch profiler records
 (our C++ kernels are plain pybind calls, so the reference's ATen ops appear only when the reference runs),
@@ -127,6 +127,19 @@ def test_argmax():
 @pytest.fixture(scope="module")
 def llm():
     return LLM(model="default", kv_cache_memory="64MiB", max_num_seqs=4)
+
+
+def test_lora():
+    """The C++ op adds the adapters with no ATen matmul; the reference is the masked stacked product (mm)."""
+    from pagedllm.lora.layers import LoRABatch
+    from pagedllm.lora.punica import add_lora
+
+    gen = torch.Generator().manual_seed(0)
+    batch = LoRABatch(num_slots=2, rank=4)
+    batch.set(torch.tensor([1, -1, 0]))
+    a, b_t = torch.randn(2 * 4, 32, generator=gen), torch.randn(2 * 4, 24, generator=gen)
+    x, y = torch.randn(3, 32, generator=gen), torch.randn(3, 24, generator=gen)
+    check("lora", lambda: add_lora(y.clone(), x, (a, b_t), None, batch, [24]), "aten::mm")
 
 
 def test_linear():

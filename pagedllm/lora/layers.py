@@ -2,8 +2,7 @@
 
 It wraps whatever linear the model serves with (float nn.Linear, prepacked bf16, int8/int4/GGUF QuantLinear,
 a fused qkv or gate_up): the base runs as before, once for all rows, and the adapters' product (the `lora`
-op, punica.py) is added after it, computed in float32 (a step of many rows of a 16-bit model: in its dtype);
-the base stays quantized, the adapters float.
+op, punica.py) is added after it, in float32 arithmetic; the base stays quantized, the adapters float.
 """
 
 from __future__ import annotations
@@ -11,10 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.lora.punica import lora_shrink_expand
-
-# steps of at most this many rows compute the adapters in float32, more in the model's 16-bit dtype
-FLOAT32_MAX_ROWS = 8
+from pagedllm.lora.punica import add_lora, kernel_weights
 
 
 class LoRABatch:
@@ -24,6 +20,7 @@ class LoRABatch:
     def __init__(self, num_slots: int, rank: int):
         self.num_slots, self.rank = num_slots, rank
         self.active = False  # any row with an adapter this step; a base-only step adds nothing
+        self.row_slots = torch.empty(0, dtype=torch.long)  # [T] each row's slot, -1 for base rows
         self.num_slots_used = 0  # slots 0 .. this - 1 are passed to the op (the highest in use, plus one)
         self._one_hot: torch.Tensor | None = None  # [T, num_slots_used]
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
@@ -31,16 +28,20 @@ class LoRABatch:
     def set(self, row_slots: torch.Tensor | None) -> None:
         """row_slots: [T] slot of each row, -1 for base rows; None: no adapter row this step."""
         self._masks.clear()
+        self._one_hot = None
         if row_slots is None:
-            self.active, self._one_hot = False, None
+            self.active, self.row_slots = False, torch.empty(0, dtype=torch.long)
             return
         self.active = True
+        self.row_slots = row_slots.to(torch.long).contiguous()
         self.num_slots_used = int(row_slots.max()) + 1
-        one_hot = torch.zeros(row_slots.shape[0], self.num_slots_used + 1)
-        one_hot[torch.arange(row_slots.shape[0]), row_slots.clamp(min=-1) + 1] = 1.0
-        self._one_hot = one_hot[:, 1:]  # column 0 took the base rows
 
     def mask(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """The reference backend's row mask (built on first use in a step: the C++ one reads row_slots)."""
+        if self._one_hot is None:
+            one_hot = torch.zeros(self.row_slots.shape[0], self.num_slots_used + 1)
+            one_hot[torch.arange(self.row_slots.shape[0]), self.row_slots.clamp(min=-1) + 1] = 1.0
+            self._one_hot = one_hot[:, 1:]  # column 0 took the base rows
         key = (n, dtype)
         if key not in self._masks:
             self._masks[key] = self._one_hot.to(dtype).repeat_interleave(n * self.rank, dim=1)
@@ -79,16 +80,17 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         if not self.batch.active:
             return y
-        rows = self.batch.num_slots_used * len(self.slices) * self.batch.rank
-        # Few rows (decode of a few streams) in float32: ATen's bf16 gemm takes ~170 us for a 1-row product
-        # that MKL's sgemm does in ~10 us; many rows in the model's 16-bit dtype, where the bf16 gemm is
-        # the faster (AMX / AVX512-BF16). The adapters' own numbers are float32 either way.
-        a, b = self.lora_a, self.lora_b
-        if self.lora_a_half is not None and x.shape[0] > FLOAT32_MAX_ROWS:
-            a, b = self.lora_a_half, self.lora_b_half
-        mask = self.batch.mask(len(self.slices), a.dtype)
-        delta = lora_shrink_expand(x.to(a.dtype), a[:rows], b[:rows], mask)
-        return y + delta.to(y.dtype)
+        half = (self.lora_a_half, self.lora_b_half) if self.lora_a_half is not None else None
+        return add_lora(y, x, (self.lora_a, self.lora_b), half, self.batch, self.widths)
+
+    @property
+    def widths(self) -> list[int]:
+        return [w for _, w in self.slices]
+
+    def kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (a, b_t) buffers the C++ backend reads (the fused decoder stack holds them too)."""
+        half = (self.lora_a_half, self.lora_b_half) if self.lora_a_half is not None else None
+        return kernel_weights((self.lora_a, self.lora_b), half)
 
     def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write one adapter's slices into `slot` (zeros where it has no adapter for a slice)."""

@@ -16,6 +16,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from pagedllm import ops
 from pagedllm.config import ModelConfig
 from pagedllm.errors import InputError
 from pagedllm.lora.layers import LoRABatch, LoRALinear
@@ -33,10 +34,8 @@ def check_model(model: nn.Module, cfg: ModelConfig) -> None:
 
 def wrap_linears(model: nn.Module, batch: LoRABatch, dtype: torch.dtype) -> dict[int, list[LoRALinear]]:
     """Replace each decoder linear by a LoRALinear around it (after fuse.py: a fused qkv / gate_up takes
-    its modules' slices). The fused decode stack calls the linears from C++ and so cannot add adapters:
-    it is switched off here; the manager puts it back for steps without adapter rows (it holds the base's
-    own weights, taken at fuse time). Returns layer index -> its LoRALinears."""
-    model.decode_stack = None
+    its modules' slices), in the fused decoder stack's order of linears (qkv's, o, gate_up's, down).
+    Returns layer index -> its LoRALinears."""
     out: dict[int, list[LoRALinear]] = {}
     for idx, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -80,6 +79,14 @@ class LoRAModelManager:
         self.batch = LoRABatch(config.max_loras, config.max_lora_rank)
         self.model, self._decode_stack = model, model.decode_stack
         self.layers = wrap_linears(model, self.batch, dtype)
+        # The fused decoder stack calls the linears from C++ (it holds the base's own weights, taken at fuse
+        # time). Where the `lora` op is C++ the stack adds the adapters with it, reading the LoRALinears'
+        # buffers; else it runs only the steps without adapter rows (set_batch) and the layer loop the rest.
+        self._stack_has_lora = self._decode_stack is not None and ops.kernel("lora") is not None
+        if self._stack_has_lora:
+            self._attach_to_stack()
+        else:
+            model.decode_stack = None
         self.registered: dict[int, LoRARequest] = {}  # what requests may name
         # removed while requests may still run with them: read again from their folders if they need a slot
         self.retired: dict[int, LoRARequest] = {}
@@ -131,6 +138,14 @@ class LoRAModelManager:
         """lora_int_id -> name of every adapter a request may still run with."""
         return {i: r.lora_name for i, r in {**self.retired, **self.registered}.items()}
 
+    def _attach_to_stack(self) -> None:
+        tensors: list[torch.Tensor] = []
+        shapes: list[int] = []
+        for linear in self._linears():  # layer by layer, each layer's in the stack's order (wrap_linears)
+            tensors += linear.kernel_weights()
+            shapes += [len(linear.widths), *linear.widths]
+        self._decode_stack.attach_lora(tensors, shapes, self.batch.rank)
+
     def _linears(self):
         for linears in self.layers.values():
             yield from linears
@@ -164,10 +179,11 @@ class LoRAModelManager:
         """rows: (lora_int_id, number of rows) of each request in the flat batch's order; 0 is the base."""
         self._step += 1
         needed = {lid for lid, _ in rows if lid}
-        # the fused decoder stack (base weights only) for steps without an adapter row
-        self.model.decode_stack = None if needed else self._decode_stack
+        if not self._stack_has_lora:  # the fused stack (base weights only) for steps without an adapter row
+            self.model.decode_stack = None if needed else self._decode_stack
         if not needed:
             self.batch.set(None)
+            self._set_stack_rows()
             return
         slot_of = {lid: self._slot_for(lid, needed) for lid in sorted(needed)}
         for slot in slot_of.values():
@@ -175,3 +191,8 @@ class LoRAModelManager:
         slots = torch.tensor([slot_of[lid] if lid else -1 for lid, _ in rows])
         counts = torch.tensor([n for _, n in rows])
         self.batch.set(torch.repeat_interleave(slots, counts))
+        self._set_stack_rows()
+
+    def _set_stack_rows(self) -> None:
+        if self._stack_has_lora:
+            self._decode_stack.set_lora_rows(self.batch.row_slots)

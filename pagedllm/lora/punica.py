@@ -1,4 +1,4 @@
-"""The `lora` op: each row of a batch through its own adapter, all rows in one shrink and one expand.
+"""The `lora` op: each row of a batch through its own adapter, added to its linear's output in one call.
 
 Layout (layers.py keeps it): a linear's adapters are stacked over the S device slots and its n output
 slices (q/k/v of a fused qkv, gate/up of a fused gate_up), R = max_lora_rank rows each:
@@ -6,18 +6,22 @@ slices (q/k/v of a fused qkv, gate/up of a fused gate_up), R = max_lora_rank row
     a    [S * n * R, in]    slot s, slice i at rows (s * n + i) * R ...; a rank below R is zero-padded
     b_t  [S * n * R, out]   B transposed, block-diagonal over slices: slice i's outputs read only its own
                             R rows; the adapter's scaling is folded in
-    mask [T, S * n * R]     1 where the row's adapter holds that slot, else 0 (a base row: all 0)
+    row_slots [T]           each row's slot, -1 for a base row
 
-    delta = ((x @ a.T) * mask) @ b_t
+Two backends (ops.py chooses):
+- C++ (csrc/lora.h, also called from the fused decoder stack): each row reads only its own slot's A rows and
+  each slice's own block of B_t, in float32 arithmetic, added to y in place. A decode step's cost is the
+  bytes of one adapter's weights; for a 16-bit model it reads their bf16 copy (half the bytes).
+- the torch reference: the masked stacked product (S-LoRA / Punica's grouped product without a gather of
+  per-row weight copies, which for a prompt of T rows would be T x R x in floats)
 
-The shrink computes every slot's product for every row and the mask keeps each row's own (S-LoRA /
-Punica's grouped product without a gather of per-row weight copies, which for a prompt of T rows would be
-T x R x in floats); the zeros add exactly nothing. Only the slots up to the highest one this step uses are
-passed (a prefix of the rows: views, no copy; slots are taken lowest first), so one adapter costs n * R
-columns whatever max_loras is. Its cost per row is k * n * R * (in + out) multiply-adds for k slots in use,
-beside the base linear's in * out: on a 2048-wide model 8 rank-16 adapters add about 12% to a single-slice
-linear, 30% to the fused q/k/v (its B is dense over the three slices). One call per linear per step, whatever
-mix of adapters and base rows it holds. ops.py names the op; the torch reference is its only backend.
+      delta = ((x @ a.T) * mask) @ b_t,   mask [T, S * n * R]: 1 where the row's adapter holds that slot
+
+  over the slots up to the highest one this step uses (a prefix of the rows: views, no copy); the zeros add
+  exactly nothing. Few rows in float32 (ATen's bf16 gemm takes ~170 us for a 1-row product that MKL's
+  sgemm does in ~10 us), many rows in the model's 16-bit dtype, where its gemm is the faster.
+
+Either is one call per linear per step, whatever mix of adapters and base rows it holds.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ import torch.nn.functional as F
 
 from pagedllm import ops
 
+# the reference computes steps of at most this many rows in float32, more in the model's 16-bit dtype
+FLOAT32_MAX_ROWS = 8
+
 
 def lora_shrink_expand_native(
     x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, mask: torch.Tensor
@@ -34,11 +41,29 @@ def lora_shrink_expand_native(
     return torch.mm(F.linear(x, a) * mask, b_t)
 
 
-def lora_shrink_expand(
-    x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, mask: torch.Tensor
+def kernel_weights(
+    full: tuple[torch.Tensor, torch.Tensor], half: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (a, b_t) the C++ backend reads: a 16-bit model's copy (half the bytes), else the float32 one."""
+    return half if half is not None else full
+
+
+def add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    full: tuple[torch.Tensor, torch.Tensor],
+    half: tuple[torch.Tensor, torch.Tensor] | None,
+    batch,
+    widths: list[int],
 ) -> torch.Tensor:
-    """Every row's adapter product (see the module docstring), by the backend the op table chose."""
-    kernel = ops.kernel("lora")  # None: the torch reference runs (no C++ backend yet)
-    if kernel is not None:
-        return kernel.lora_shrink_expand(x, a, b_t, mask)
-    return lora_shrink_expand_native(x, a, b_t, mask)
+    """y + every row's adapter product (see the module docstring), by the backend the op table chose.
+    full: the float32 (a, b_t); half: their copy in a 16-bit model's dtype, or None; batch: the step's
+    LoRABatch (row_slots, rank, the reference's masks); widths: the slices' output widths."""
+    kernel = ops.kernel("lora")
+    if kernel is not None and x.dtype == y.dtype:
+        a, b_t = kernel_weights(full, half)
+        return kernel.add_lora(y.contiguous(), x.contiguous(), a, b_t, batch.row_slots, batch.rank, widths)
+    a, b_t = half if half is not None and x.shape[0] > FLOAT32_MAX_ROWS else full
+    rows = batch.num_slots_used * len(widths) * batch.rank
+    delta = lora_shrink_expand_native(x.to(a.dtype), a[:rows], b_t[:rows], batch.mask(len(widths), a.dtype))
+    return y + delta.to(y.dtype)

@@ -119,6 +119,7 @@ STACK_OPS = (
     "write_kv",
     "attention_prefill",
     "quantized_linear",
+    "lora",
 )
 
 

@@ -15,6 +15,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "../../attention/csrc/paged_decode.h"
+#include "../../lora/csrc/lora.h"
 #include "../../quantization/csrc/woq_avx2.h"
 #include "../layers/csrc/layer_ops.h"
 
@@ -48,16 +49,33 @@ at::Tensor packed_bf16_linear(const at::Tensor& x, const at::Tensor& packed, con
 // The kinds of linear (the first of the four shape numbers of each, decode_stack.py's _linear_parts).
 enum LinearKind : int64_t { kPacked = 0, kAmx = 1, kAvx2 = 2 };
 
+// A step's LoRA rows (lora/manager.py sets them before the step): each row's adapter slot, -1 for the base
+struct LoraStep {
+  at::Tensor row_slots;
+  int64_t rank = 0;
+};
+
 // One linear of a layer: quantized in the AMX layout (codes, scales, mins; a float32 bias or none), in the
 // AVX2 layout (avx2.pack's codes, scales, mins; a float32 bias or none), or a bf16 weight prepacked for
 // oneDNN (packed; a bf16 bias or none).
 struct Linear {
   at::Tensor codes, scales, mins, bias, packed;
   int64_t kind, bits, group_size, out_features;
+  // the LoRA adapters' stacked weights of the LoRALinear around this linear (lora/layers.py; attach_lora),
+  // and its slices' output widths; undefined where no adapters are served
+  at::Tensor lora_a, lora_b;
+  std::vector<int64_t> lora_widths;
 
   // the kernel the Python layer picks: QuantLinear.path() (dot products for a few rows, AMX tiles above;
-  // or the AVX2 int8-activation kernel), or PackedLinear's oneDNN call
-  at::Tensor operator()(const at::Tensor& x) const {
+  // or the AVX2 int8-activation kernel), or PackedLinear's oneDNN call; then, in a step with adapter rows,
+  // their products as LoRALinear adds them (the `lora` op's C++ backend)
+  at::Tensor operator()(const at::Tensor& x, const LoraStep* lora) const {
+    at::Tensor y = base(x);
+    if (lora != nullptr && lora_a.defined()) lora::add_lora_(y, x.contiguous(), lora_a, lora_b, lora->row_slots, lora->rank, lora_widths);
+    return y;
+  }
+
+  at::Tensor base(const at::Tensor& x) const {
     if (kind == kPacked) return packed_bf16_linear(x, packed, bias);
     if (kind == kAvx2)  // avx2.matmul: x contiguous, the bias as float32
       return woq_avx2::matmul_tensor(x.contiguous(), codes, scales, mins, bias, bits, group_size, out_features);
@@ -86,10 +104,10 @@ struct Projection {
   std::vector<Linear> parts;
   int64_t out_features = 0;
 
-  at::Tensor operator()(const at::Tensor& x) const {
-    if (parts.size() == 1) return parts[0](x);
+  at::Tensor operator()(const at::Tensor& x, const LoraStep* lora) const {
+    if (parts.size() == 1) return parts[0](x, lora);
     std::vector<at::Tensor> outs;
-    for (const Linear& lin : parts) outs.push_back(lin(x));
+    for (const Linear& lin : parts) outs.push_back(lin(x, lora));
     return at::cat(outs, 1);
   }
 
@@ -161,6 +179,29 @@ class DecodeStack {
 #endif
   }
 
+  // The LoRALinears' buffers (lora/manager.py), for each linear in the order of the constructor's: a and b_t
+  // (the tensors the Python layer's C++ op reads, shared, so a slot written later is seen here), and in
+  // `shapes` the number of its slices then their output widths.
+  void attach_lora(std::vector<at::Tensor> tensors, std::vector<int64_t> shapes, int64_t rank) {
+    size_t t = 0, s = 0;
+    for (Layer& layer : layers_)
+      for (Projection* proj : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
+        for (Linear& lin : proj->parts) {
+          TORCH_CHECK(t + 2 <= tensors.size() && s < shapes.size() && s + 1 + shapes[s] <= shapes.size(),
+                      "decode_stack: attach_lora's tensors and shapes are cut short");
+          lin.lora_a = tensors[t];
+          lin.lora_b = tensors[t + 1];
+          lin.lora_widths.assign(shapes.begin() + s + 1, shapes.begin() + s + 1 + shapes[s]);
+          t += 2;
+          s += 1 + shapes[s];
+        }
+    TORCH_CHECK(t == tensors.size() && s == shapes.size(), "decode_stack: attach_lora got more than the linears");
+    lora_.rank = rank;
+  }
+
+  // this step's rows' adapter slots ([T] int64, -1 for the base), or an empty tensor: no adapter row
+  void set_lora_rows(at::Tensor row_slots) { lora_.row_slots = row_slots.numel() ? row_slots : at::Tensor(); }
+
   // x [T, hidden] bf16, or float32 (AVX2-layout linears) (the embeddings); cos / sin as rotary.cos_sin gives them; one cache per layer.
   // prefill: the T rows are one prompt with nothing cached before it (attention over the fresh K/V, as
   // attention/paged.py's _prefill_one); else T sequences decoding one token each (paged_decode).
@@ -171,8 +212,10 @@ class DecodeStack {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "decode_stack: one KV cache per layer");
     const int64_t B = x.size(0), H = num_heads_, KVH = num_kv_heads_, D = head_dim_;
     if (layers_.empty()) return x;
+    const LoraStep* lora = lora_.row_slots.defined() ? &lora_ : nullptr;
+    TORCH_CHECK(lora == nullptr || lora_.row_slots.numel() == B, "decode_stack: the LoRA rows are not this step's");
 #ifdef PAGEDLLM_STACK_SMALL_DECODE
-    if (!prefill && small_decode_applies(x, kv_caches, block_tables, seq_lens, slot_mapping))
+    if (!prefill && lora == nullptr && small_decode_applies(x, kv_caches, block_tables, seq_lens, slot_mapping))
       return small_decode(x, cos, sin, kv_caches, block_tables, seq_lens, slot_mapping);
 #endif
     // h: the layer's normed input. Each layer's last residual add is fused into the next layer's input
@@ -181,7 +224,7 @@ class DecodeStack {
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& layer = layers_[l];
       // attention: LlamaAttention.forward
-      const at::Tensor qkv = layer.qkv(h);
+      const at::Tensor qkv = layer.qkv(h, lora);
       const at::Tensor q = qkv.narrow(1, 0, H * D).view({B, H, D});
       const at::Tensor k = qkv.narrow(1, H * D, KVH * D).view({B, KVH, D});
       const at::Tensor v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({B, KVH, D});
@@ -189,10 +232,10 @@ class DecodeStack {
       paged::write_kv(k, v, kv_caches[l], slot_mapping);
       const at::Tensor o = prefill ? prefill_attention(q, k, v)
                                    : paged::paged_decode(q, kv_caches[l], block_tables, seq_lens, scale_);
-      const at::Tensor attn = layer.o(o.view({B, H * D}));
+      const at::Tensor attn = layer.o(o.view({B, H * D}), lora);
       // residual + norm, then the MLP: LlamaDecoderLayer.forward, LlamaMLP.forward
       std::vector<at::Tensor> sum_h = layer_ops::add_rms_norm(attn, x, layer.post_attention_norm, eps_);
-      const at::Tensor mlp = layer.down(layer_ops::silu_mul(layer.gate_up(sum_h[1])));
+      const at::Tensor mlp = layer.down(layer_ops::silu_mul(layer.gate_up(sum_h[1], lora)), lora);
       if (l + 1 == layers_.size()) return sum_h[0] + mlp;
       sum_h = layer_ops::add_rms_norm(mlp, sum_h[0], layers_[l + 1].input_norm, eps_);
       x = sum_h[0];
@@ -292,6 +335,7 @@ class DecodeStack {
   }
 
   std::vector<Layer> layers_;
+  LoraStep lora_;  // the step's adapter rows (set_lora_rows), the rank (attach_lora)
   bool small_decode_layers_ = false;  // whether small_decode can run these layers (set once, above)
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
@@ -308,5 +352,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t, double,
                           double>())
-      .def("forward", &DecodeStack::forward, "all decoder layers of a decode step, or of one prompt's prefill");
+      .def("forward", &DecodeStack::forward, "all decoder layers of a decode step, or of one prompt's prefill")
+      .def("attach_lora", &DecodeStack::attach_lora, "the LoRALinears' stacked adapter weights, linear by linear")
+      .def("set_lora_rows", &DecodeStack::set_lora_rows, "this step's rows' adapter slots (empty: none)");
 }
