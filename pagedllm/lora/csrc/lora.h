@@ -148,14 +148,13 @@ void add_lora_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, cons
   float* const h = h_buf.data();
   const int64_t* const rows = rows_buf.data();
   const int64_t threads = R * (nr * K + rank * N) < kParallelMacs ? 1 : std::min<int64_t>(at::get_num_threads(), R * nr);
-  // one parallel region: shrink (row x adapter-row dot products), a barrier, expand (row x column chunks)
+  // one parallel region: shrink (row group x 4 adapter rows), a barrier, expand (row group x column chunks)
+  for (int64_t i = 0; i < R; ++i) {  // x in float32: a pass over T x K, beside the shrink's T x n R x K
+    const int64_t t = rows[i];
+    for (int64_t k = 0; k < K; ++k) xf[t * K + k] = to_float(xs[t * K + k]);
+  }
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < R; ++i) {
-      const int64_t t = rows[i];
-      for (int64_t k = 0; k < K; ++k) xf[t * K + k] = to_float(xs[t * K + k]);
-    }
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < num_groups * quads; ++task) {  // a row group x 4 adapter rows (fewer: last)
       const int64_t g0 = groups[task / quads], G = groups[task / quads + 1] - g0, j = task % quads * 4;
