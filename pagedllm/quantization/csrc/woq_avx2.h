@@ -49,7 +49,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -287,7 +286,9 @@ struct QuantizedX {
 // wrong results) ran 1.45x faster, so the scale and min per 32-block are what is left to pay; replacing
 // VPMADDWD by shifts and adds was slower (118 -> 106 GFLOP/s); the rows interleaved quad by quad instead
 // of one chain a row, the same speed; 32-byte loads instead of the 4-byte broadcasts, the same.
-template <int BITS, int R, typename S>
+// DERIVED: the mins are min_factor x the scales (mins_ref), not read; a template parameter, not a test in
+// the loop: the per-group branch cost 3% of a W32 decode step of the default model (ab_decode_stack.py).
+template <int BITS, int R, typename S, bool DERIVED>
 inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes, S sc, S mn, float min_factor,
                          int64_t group_blocks, int64_t prefetch_groups, float (*res)[kCols]) {
   constexpr int64_t kBlockBytes = BITS == 4 ? 128 : 256;
@@ -307,9 +308,13 @@ inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes
   const __m256 factor = _mm256_set1_ps(min_factor);
   for (int64_t g = 0; g < groups; ++g) {
     _mm_prefetch(reinterpret_cast<const char*>(sc.addr(g + prefetch_groups)), _MM_HINT_T0);
-    if (min_factor == 0.f) _mm_prefetch(reinterpret_cast<const char*>(mn.addr(g + prefetch_groups)), _MM_HINT_T0);
+    if constexpr (!DERIVED) _mm_prefetch(reinterpret_cast<const char*>(mn.addr(g + prefetch_groups)), _MM_HINT_T0);
     const __m256 s = sc.at(g);
-    __m256 m = min_factor == 0.f ? mn.at(g) : _mm256_mul_ps(s, factor);
+    __m256 m;
+    if constexpr (DERIVED)
+      m = _mm256_mul_ps(s, factor);
+    else
+      m = mn.at(g);
     // 8-bit codes are stored as q - 128: s q + m = s (q - 128) + (m + 128 s)
     if constexpr (BITS == 8) m = _mm256_fmadd_ps(_mm256_set1_ps(128.f), s, m);
     for (int64_t b = g * group_blocks; b < (g + 1) * group_blocks; ++b) {
@@ -365,7 +370,7 @@ inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes
 // 0-3 (k 0..15) are scaled with the first group's scale and min (and the first half's code sum) as soon as
 // they are complete, then vectors 4-7 start fresh sums for the second group: the same registers, and a
 // convert, a multiply and two FMAs more a block and row than panel_kernel<8>.
-template <int R, typename S>
+template <int R, typename S, bool DERIVED>
 inline void panel_kernel_g16(const QuantizedX& a, int64_t row0, const uint8_t* codes, S sc, S mn,
                              float min_factor, int64_t prefetch_groups, float (*res)[kCols]) {
   constexpr int64_t kBlockBytes = 256;
@@ -383,7 +388,7 @@ inline void panel_kernel_g16(const QuantizedX& a, int64_t row0, const uint8_t* c
   const __m256 k128 = _mm256_set1_ps(128.f), factor = _mm256_set1_ps(min_factor);
   for (int64_t b = 0; b < nb; ++b) {
     _mm_prefetch(reinterpret_cast<const char*>(sc.addr(2 * b + prefetch_groups)), _MM_HINT_T0);
-    if (min_factor == 0.f)
+    if constexpr (!DERIVED)
       _mm_prefetch(reinterpret_cast<const char*>(mn.addr(2 * b + prefetch_groups)), _MM_HINT_T0);
     const uint8_t* c = codes + b * kBlockBytes;
     for (int64_t line = 0; line < kBlockBytes; line += 64)
@@ -401,7 +406,7 @@ inline void panel_kernel_g16(const QuantizedX& a, int64_t row0, const uint8_t* c
       }
       // 8-bit codes are stored as q - 128: s q + m = s (q - 128) + (m + 128 s)
       const __m256 s = sc.at(g);
-      const __m256 m = _mm256_fmadd_ps(k128, s, min_factor == 0.f ? mn.at(g) : _mm256_mul_ps(s, factor));
+      const __m256 m = _mm256_fmadd_ps(k128, s, DERIVED ? _mm256_mul_ps(s, factor) : mn.at(g));
       for (int r = 0; r < R; ++r) {
         const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(xd[r][b]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
@@ -470,21 +475,21 @@ inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* co
 }
 
 // panel_kernel (panel_kernel_g16 for HALF: group 16) for `rows` (1..kRows<BITS>) rows
-template <int BITS, typename S, bool HALF = false, int R = 1>
+template <int BITS, typename S, bool HALF, bool DERIVED, int R = 1>
 inline void dispatch_rows(int rows, const QuantizedX& a, int64_t row0, const uint8_t* codes, S sc,
                           S mn, float min_factor, int64_t group_blocks, int64_t prefetch_groups,
                           float (*res)[kCols]) {
   if constexpr (R < kRows<BITS>) {
     if (rows != R)
-      return dispatch_rows<BITS, S, HALF, R + 1>(rows, a, row0, codes, sc, mn, min_factor, group_blocks,
+      return dispatch_rows<BITS, S, HALF, DERIVED, R + 1>(rows, a, row0, codes, sc, mn, min_factor, group_blocks,
                                                  prefetch_groups, res);
   }
   if constexpr (HALF && BITS == 6)
     panel_kernel_q6<R, S>(a, row0, codes, sc, mn, min_factor, prefetch_groups, res);
   else if constexpr (HALF)
-    panel_kernel_g16<R, S>(a, row0, codes, sc, mn, min_factor, prefetch_groups, res);
+    panel_kernel_g16<R, S, DERIVED>(a, row0, codes, sc, mn, min_factor, prefetch_groups, res);
   else
-    panel_kernel<BITS, R, S>(a, row0, codes, sc, mn, min_factor, group_blocks, prefetch_groups, res);
+    panel_kernel<BITS, R, S, DERIVED>(a, row0, codes, sc, mn, min_factor, group_blocks, prefetch_groups, res);
 }
 
 // float32 -> bf16, round to nearest even (as torch's .to(bfloat16), NaN aside)
@@ -518,7 +523,7 @@ inline void store_tile(const float (*res)[kCols], int R, int64_t row0, int64_t p
 
 // Panels [p_begin, p_end) for all M rows: strip by strip (kStripBytes of codes), every kRows-row block of x
 // over a strip before the next. HALF: group 16 (8-bit codes), two groups a block.
-template <int BITS, typename S, typename T, bool HALF = false>
+template <int BITS, typename S, typename T, bool HALF, bool DERIVED>
 void run_panels(const QuantizedX& a, int64_t M, const uint8_t* codes, S sc, S mn, float min_factor,
                 int64_t group_size, const float* bias, int64_t N, T* out, int64_t p_begin, int64_t p_end) {
   constexpr int64_t kBlockBytes = block_bytes(BITS);
@@ -534,42 +539,12 @@ void run_panels(const QuantizedX& a, int64_t M, const uint8_t* codes, S sc, S mn
       const int R = int(std::min<int64_t>(kRows<BITS>, M - r0));
       for (int64_t p = ps; p < pe; ++p) {
         const uint8_t* c = codes + p * panel_bytes;
-        dispatch_rows<BITS, S, HALF>(R, a, r0, c, sc.panel(p, groups), mn.panel(p, groups), min_factor,
+        dispatch_rows<BITS, S, HALF, DERIVED>(R, a, r0, c, sc.panel(p, groups), mn.panel(p, groups), min_factor,
                                      group_blocks, prefetch_groups, res);
         store_tile<T>(res, R, r0, p, bias, N, out);
       }
     }
   }
-}
-
-// fn(begin, end) over [0, n) on torch's threads, in chunks that the threads take as they finish the last
-// (an atomic counter) rather than a fixed half each: a decode step's ~100 matmuls each end in a join, and
-// with a static split every join waits for the slower thread (its core shared with another process, a
-// slower memory channel, a page fault), so one late thread stalls the whole step. About 8 chunks a thread,
-// each at least `grain` and a multiple of `align` items; every item is computed by the same code whichever
-// thread takes it, so results do not depend on the split. WOQ_AVX2_STATIC_SPLIT=1 restores the fixed split
-// (for scripts/ab_decode_stack.py).
-template <typename Fn>
-inline void parallel_chunks(int64_t n, int64_t grain, int64_t align, const Fn& fn) {
-#if defined(WOQ_AVX2_STATIC_SPLIT) && WOQ_AVX2_STATIC_SPLIT
-  (void)align;
-  at::parallel_for(0, n, grain, fn);
-#else
-  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
-  int64_t chunk = std::max<int64_t>(grain, (n + 8 * threads - 1) / (8 * threads));
-  chunk = (chunk + align - 1) / align * align;
-  const int64_t chunks = (n + chunk - 1) / chunk;
-  if (threads <= 1 || chunks <= 1) {
-    fn(int64_t(0), n);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min(threads, chunks), 1, [&](int64_t, int64_t) {
-    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
-         c = next.fetch_add(1, std::memory_order_relaxed))
-      fn(c * chunk, std::min(n, (c + 1) * chunk));
-  });
-#endif
 }
 
 // out [M, N] = x [M, K] (float32 or bf16, rows K apart) @ W^T (+ bias float32 [N] or nullptr), W in the
@@ -595,20 +570,30 @@ void matmul_into(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S
   });
   const int64_t panel_work = nb * block_bytes(bits) * M;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / panel_work);
-  // many rows: chunks of whole strips (run_panels keeps a strip's codes in L2 across the row blocks)
-  const int64_t strip = M > kRows<4> ? std::max<int64_t>(1, kStripBytes / (nb * block_bytes(bits))) : 1;
   // mins derived from the scales (mins.factor): the scales stand in for them, never read as mins
   with_scales(scales, mins.factor != 0.f ? scales : mins, [&](auto sc, auto mn) {
     using S = decltype(sc);
-    parallel_chunks(panels, grain, strip, [&](int64_t begin, int64_t end) {
-      if (bits == 4)
-        run_panels<4, S, T>(a, M, codes, sc, mn, mins.factor, group_size, bias, N, out, begin, end);
-      else if (bits == 6)  // Q6_K's 6-bit codes: group 16 only
-        run_panels<6, S, T, true>(a, M, codes, sc, mn, mins.factor, group_size, bias, N, out, begin, end);
-      else if (half)
-        run_panels<8, S, T, true>(a, M, codes, sc, mn, mins.factor, group_size, bias, N, out, begin, end);
+    // A fixed split of the panels (torch's parallel_for), each thread one contiguous run: tried, chunks of
+    // ~1/8 a thread taken from an atomic counter (so a late thread would not stall each join) made one
+    // decode step of the default model 17% slower at 1 sequence (2.85 against 2.43 ms) and 6% at 32
+    // (scripts/ab_decode_stack.py, 100 and 40 rounds alternated): short runs of panels cut the hardware
+    // prefetcher's streams, which a memory-bound step lives on.
+    at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+      auto run = [&](auto derived) {
+        constexpr bool D = decltype(derived)::value;
+        if (bits == 4)
+          run_panels<4, S, T, false, D>(a, M, codes, sc, mn, mins.factor, group_size, bias, N, out, begin, end);
+        else if (half)
+          run_panels<8, S, T, true, D>(a, M, codes, sc, mn, mins.factor, group_size, bias, N, out, begin, end);
+        else
+          run_panels<8, S, T, false, D>(a, M, codes, sc, mn, mins.factor, group_size, bias, N, out, begin, end);
+      };
+      if (bits == 6)  // Q6_K's 6-bit codes, group 16 only: its mins always -32 x the scales (panel_kernel_q6)
+        run_panels<6, S, T, true, true>(a, M, codes, sc, mn, mins.factor, group_size, bias, N, out, begin, end);
+      else if (mins.factor != 0.f)
+        run(std::true_type{});
       else
-        run_panels<8, S, T>(a, M, codes, sc, mn, mins.factor, group_size, bias, N, out, begin, end);
+        run(std::false_type{});
     });
   });
 }
