@@ -50,7 +50,7 @@ AVX2_TESTS := tests/test_cpu_kernels.py tests/test_paged_attention.py tests/test
 	tests/test_quant_linear.py tests/test_sampler.py tests/test_fuse.py tests/test_model_vs_hf.py \
 	tests/test_quant_model.py tests/test_kv_quant.py tests/test_bf16_vs_fp32.py tests/test_platform.py \
 	tests/test_ops_table.py tests/test_op_backends.py tests/test_gguf_blocks.py tests/test_quant_embedding.py \
-	tests/test_kquant_model.py tests/test_layout_cache.py
+	tests/test_kquant_model.py tests/test_layout_cache.py tests/test_lora.py tests/test_decode_stack.py
 test-avx2: install
 	PAGEDLLM_CPU_ISA=avx2 $(VENV)/bin/python -m pytest -q $(wildcard $(AVX2_TESTS))
 
