@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.lora.punica import add_lora, kernel_weights
+from pagedllm.lora.punica import add_lora
 
 
 class LoRABatch:
@@ -64,6 +64,7 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self.slices = slices
+        self.widths = [w for _, w in slices]  # the slices' output widths, as the op takes them
         self.batch = batch
         s, n, r = batch.num_slots, len(slices), batch.rank
         self.out_offsets = [sum(w for _, w in slices[:i]) for i in range(n)]
@@ -81,17 +82,15 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         if not self.batch.active:
             return y
-        half = (self.lora_a_half, self.lora_b_half) if self.lora_a_half is not None else None
-        return add_lora(y, x, (self.lora_a, self.lora_b), half, self.batch, self.widths)
+        return add_lora(y, x, (self.lora_a, self.lora_b), self._half(), self.batch, self.widths)
 
-    @property
-    def widths(self) -> list[int]:
-        return [w for _, w in self.slices]
+    def _half(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return (self.lora_a_half, self.lora_b_half) if self.lora_a_half is not None else None
 
     def kernel_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (a, b_t) buffers the C++ backend reads (the fused decoder stack holds them too)."""
-        half = (self.lora_a_half, self.lora_b_half) if self.lora_a_half is not None else None
-        return kernel_weights((self.lora_a, self.lora_b), half)
+        """The (a, b_t) buffers the C++ backend reads (the fused decoder stack holds them too): a 16-bit
+        model's copy, else the float32 ones (punica.add_lora picks the same)."""
+        return self._half() or (self.lora_a, self.lora_b)
 
     def set_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write one adapter's slices into `slot` (zeros where it has no adapter for a slice)."""

@@ -41,13 +41,6 @@ def lora_shrink_expand_native(
     return torch.mm(F.linear(x, a) * mask, b_t)
 
 
-def kernel_weights(
-    full: tuple[torch.Tensor, torch.Tensor], half: tuple[torch.Tensor, torch.Tensor] | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (a, b_t) the C++ backend reads: a 16-bit model's copy (half the bytes), else the float32 one."""
-    return half if half is not None else full
-
-
 def add_lora(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -61,7 +54,7 @@ def add_lora(
     LoRABatch (row_slots, rank, the reference's masks); widths: the slices' output widths."""
     kernel = ops.kernel("lora")
     if kernel is not None and x.dtype == y.dtype:
-        a, b_t = kernel_weights(full, half)
+        a, b_t = half or full  # a 16-bit model's copy: half the bytes a decode step streams
         return kernel.add_lora(y.contiguous(), x.contiguous(), a, b_t, batch.row_slots, batch.rank, widths)
     a, b_t = half if half is not None and x.shape[0] > FLOAT32_MAX_ROWS else full
     rows = batch.num_slots_used * len(widths) * batch.rank

@@ -21,7 +21,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -148,11 +147,11 @@ void add_lora_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, cons
   float* const h = h_buf.data();
   const int64_t* const rows = rows_buf.data();
   const int64_t threads = R * (nr * K + rank * N) < kParallelMacs ? 1 : std::min<int64_t>(at::get_num_threads(), R * nr);
-  // one parallel region: shrink (row group x 4 adapter rows), a barrier, expand (row group x column chunks)
   for (int64_t i = 0; i < R; ++i) {  // x in float32: a pass over T x K, beside the shrink's T x n R x K
     const int64_t t = rows[i];
     for (int64_t k = 0; k < K; ++k) xf[t * K + k] = to_float(xs[t * K + k]);
   }
+  // one parallel region: shrink (row group x 4 adapter rows), a barrier, expand (row group x column chunks)
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #pragma omp for schedule(static)
