@@ -521,23 +521,52 @@ inline void store_tile(const float (*res)[kCols], int R, int64_t row0, int64_t p
   }
 }
 
+}  // namespace woq_avx2
+
+// pair_kernel4: two 4-bit panels at a time in 512-bit registers where the build has AVX512-VNNI (WOQ_PAIRS)
+#include "woq_avx512_pairs.h"
+
+namespace woq_avx2 {
+
+#ifdef WOQ_PAIRS
+constexpr bool kPairs = true;
+#else
+constexpr bool kPairs = false;
+#endif
+
 // Panels [p_begin, p_end) for all M rows: strip by strip (kStripBytes of codes), every kRows-row block of x
-// over a strip before the next. HALF: group 16 (8-bit codes), two groups a block.
+// over a strip before the next. HALF: group 16 (8-bit codes), two groups a block. 4-bit and 6-bit panels go
+// two at a time where the build has the pair kernels (a strip then holds an even count, at least 2).
 template <int BITS, typename S, typename T, bool HALF, bool DERIVED>
 void run_panels(const QuantizedX& a, int64_t M, const uint8_t* codes, S sc, S mn, float min_factor,
                 int64_t group_size, const float* bias, int64_t N, T* out, int64_t p_begin, int64_t p_end) {
   constexpr int64_t kBlockBytes = block_bytes(BITS);
+  constexpr bool kPaired = kPairs && ((BITS == 4 && !HALF) || (BITS == 6 && HALF));
   const int64_t nb = a.K / kBlock, groups = a.K / group_size, group_blocks = HALF ? 1 : group_size / kBlock;
   const int64_t panel_bytes = nb * kBlockBytes;
-  const int64_t strip = std::max<int64_t>(1, kStripBytes / panel_bytes);
+  const int64_t strip = kPaired ? std::max<int64_t>(2, kStripBytes / panel_bytes) & ~int64_t(1)
+                                : std::max<int64_t>(1, kStripBytes / panel_bytes);
   const int64_t prefetch_groups =
       HALF ? 2 * (kPrefetchBytes / kBlockBytes) : std::max<int64_t>(1, kPrefetchBytes / kBlockBytes / group_blocks);
   alignas(32) float res[kMaxRows][kCols];
+  [[maybe_unused]] alignas(32) float res_hi[kMaxRows][kCols];
   for (int64_t ps = p_begin; ps < p_end; ps += strip) {
     const int64_t pe = std::min(ps + strip, p_end);
     for (int64_t r0 = 0; r0 < M; r0 += kRows<BITS>) {
       const int R = int(std::min<int64_t>(kRows<BITS>, M - r0));
-      for (int64_t p = ps; p < pe; ++p) {
+      int64_t p = ps;
+#ifdef WOQ_PAIRS
+      if constexpr (kPaired)
+        for (; p + 1 < pe; p += 2) {
+          dispatch_pair_rows<BITS, S, DERIVED>(R, a, r0, codes + p * panel_bytes, codes + (p + 1) * panel_bytes,
+                                         sc.panel(p, groups), sc.panel(p + 1, groups), mn.panel(p, groups),
+                                         mn.panel(p + 1, groups), min_factor, group_blocks, prefetch_groups, res,
+                                         res_hi);
+          store_tile<T>(res, R, r0, p, bias, N, out);
+          store_tile<T>(res_hi, R, r0, p + 1, bias, N, out);
+        }
+#endif
+      for (; p < pe; ++p) {
         const uint8_t* c = codes + p * panel_bytes;
         dispatch_rows<BITS, S, HALF, DERIVED>(R, a, r0, c, sc.panel(p, groups), mn.panel(p, groups), min_factor,
                                      group_blocks, prefetch_groups, res);
