@@ -237,7 +237,8 @@ inline void with_scales(const ScaleRef& sc, const ScaleRef& mn, Fn&& fn) {
 // cancel too. Tried: the block's exact float sum for the min term, which left s * sum(q * error) uncancelled
 // (bf16 GGUF logits against the dequantized model moved from mean 0.52 to past 0.8, greedy changed).
 template <typename T>
-inline void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* ds, float* ds16 = nullptr) {
+inline void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* ds, float* ds16 = nullptr,
+                         int32_t* qs128 = nullptr) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
   for (int64_t b = 0; b < K / kBlock; ++b) {
@@ -259,7 +260,9 @@ inline void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* ds, 
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock), _mm256_permutevar8x32_epi32(p, order));
     const float scale = am / 127.f;
     d[b] = scale;
-    ds[b] = scale * float(hsum(sum));
+    const int32_t code_sum = hsum(sum);
+    ds[b] = scale * float(code_sum);
+    if (qs128) qs128[b] = 128 * code_sum;
     if (ds16) {  // v[0], v[1] are k 0..15 of the block, v[2], v[3] k 16..31
       ds16[2 * b] = scale * float(hsum(_mm256_add_epi32(i[0], i[1])));
       ds16[2 * b + 1] = scale * float(hsum(_mm256_add_epi32(i[2], i[3])));
@@ -275,6 +278,7 @@ struct QuantizedX {
   const float* ds;
   int64_t K;
   const float* ds16 = nullptr;
+  const int32_t* qs128 = nullptr;  // 128 x each block's code sum [M, K/32]: 8-bit pair kernels only
 };
 
 // R rows (row0..row0+R-1) of x times one panel of 8 columns over the whole K, into res[R][8] (float32,
@@ -541,7 +545,7 @@ template <int BITS, typename S, typename T, bool HALF, bool DERIVED>
 void run_panels(const QuantizedX& a, int64_t M, const uint8_t* codes, S sc, S mn, float min_factor,
                 int64_t group_size, const float* bias, int64_t N, T* out, int64_t p_begin, int64_t p_end) {
   constexpr int64_t kBlockBytes = block_bytes(BITS);
-  constexpr bool kPaired = kPairs && ((BITS == 4 && !HALF) || (BITS == 6 && HALF));
+  constexpr bool kPaired = kPairs && (BITS == 6 ? HALF : !HALF);
   const int64_t nb = a.K / kBlock, groups = a.K / group_size, group_blocks = HALF ? 1 : group_size / kBlock;
   const int64_t panel_bytes = nb * kBlockBytes;
   const int64_t strip = kPaired ? std::max<int64_t>(2, kStripBytes / panel_bytes) & ~int64_t(1)
@@ -587,15 +591,20 @@ void matmul_into(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S
   // the quantized activations: K + 8 K/32 bytes a row (+ 8 K/32 for group 16), reused by every panel
   static thread_local std::vector<int8_t> q_buf;
   static thread_local std::vector<float> d_buf;
+  static thread_local std::vector<int32_t> s_buf;
   q_buf.resize(M * K);
   d_buf.resize((half ? 4 : 2) * M * nb);
   int8_t* q = q_buf.data();
   float* d = d_buf.data();
   float* ds16 = half ? d + 2 * M * nb : nullptr;
-  const QuantizedX a{q, d, d + M * nb, K, ds16};
+  const bool sums = kPairs && bits == 8 && !half;  // the 8-bit pair kernel's correction
+  if (sums) s_buf.resize(M * nb);
+  int32_t* qs128 = sums ? s_buf.data() : nullptr;
+  const QuantizedX a{q, d, d + M * nb, K, ds16, qs128};
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      quantize_row(x + r * K, K, q + r * K, d + r * nb, d + M * nb + r * nb, half ? ds16 + 2 * r * nb : nullptr);
+      quantize_row(x + r * K, K, q + r * K, d + r * nb, d + M * nb + r * nb, half ? ds16 + 2 * r * nb : nullptr,
+                   sums ? qs128 + r * nb : nullptr);
   });
   const int64_t panel_work = nb * block_bytes(bits) * M;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / panel_work);

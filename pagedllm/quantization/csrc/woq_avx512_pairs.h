@@ -1,5 +1,5 @@
-// 4-bit and Q6_K panels two at a time in 512-bit registers, for builds with AVX512-VNNI (avx512_bf16 and
-// up). woq_avx2.h includes this after the layout's accessors, and run_panels calls it for every pair of
+// 4-bit, 8-bit and Q6_K panels two at a time in 512-bit registers, for builds with AVX512-VNNI (avx512_bf16
+// and up). woq_avx2.h includes this after the layout's accessors, and run_panels calls it for every pair of
 // adjacent panels of such a layer (panel_kernel / panel_kernel_q6 take an odd last one).
 //
 // Why: panel_kernel's 256-bit loop spends ~57 instructions on a 32-input block of a panel at one row
@@ -131,6 +131,69 @@ inline void pair_kernel4(const QuantizedX& a, int64_t row0, const uint8_t* codes
   store_pair(acc, R, res0, res1);
 }
 
+// panel_kernel<8, R> over panels p and p + 1. The codes are stored as q - 128 (signed), which
+// panel_kernel multiplies by x with the abs / sign trick (VPSIGNB has no 512-bit form); here the sign bit
+// is flipped back (q, unsigned, VPDPBUSD's unsigned operand) and 128 x the block's activation code sum
+// (a.qs128, from quantize_row) taken off: sum (q - 128) xq, the same int32 exactly, then the same floats.
+// The default model's Q8_0 lm_head (576 -> 49152, 2 threads): 32 rows 6.38 -> 4.28 ms, one row 0.50 -> 0.42.
+template <int R, typename S, bool DERIVED>
+inline void pair_kernel8(const QuantizedX& a, int64_t row0, const uint8_t* codes0, const uint8_t* codes1, S sc0,
+                         S sc1, S mn0, S mn1, float min_factor, int64_t group_blocks, int64_t prefetch_groups,
+                         float (*res0)[kCols], float (*res1)[kCols]) {
+  constexpr int64_t kBlockBytes = 256;
+  const int64_t K = a.K, nb = K / kBlock, groups = nb / group_blocks, panel_bytes = nb * kBlockBytes;
+  const int8_t* xq[R];
+  const float* xd[R];
+  const float* xds[R];
+  const int32_t* xs128[R];
+  for (int r = 0; r < R; ++r) {
+    xq[r] = a.q + (row0 + r) * K;
+    xd[r] = a.d + (row0 + r) * nb;
+    xds[r] = a.ds + (row0 + r) * nb;
+    xs128[r] = a.qs128 + (row0 + r) * nb;
+  }
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i sign = _mm512_set1_epi8(char(0x80));
+  const __m512 factor = _mm512_set1_ps(min_factor), k128 = _mm512_set1_ps(128.f);
+  for (int64_t g = 0; g < groups; ++g) {
+    _mm_prefetch(reinterpret_cast<const char*>(sc0.addr(g + prefetch_groups)), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(sc1.addr(g + prefetch_groups)), _MM_HINT_T0);
+    if constexpr (!DERIVED) {
+      _mm_prefetch(reinterpret_cast<const char*>(mn0.addr(g + prefetch_groups)), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(mn1.addr(g + prefetch_groups)), _MM_HINT_T0);
+    }
+    const __m512 s = pair_ps(sc0.at(g), sc1.at(g));
+    // s q + m = s (q - 128) + (m + 128 s), as panel_kernel
+    const __m512 m = _mm512_fmadd_ps(k128, s, DERIVED ? _mm512_mul_ps(s, factor) : pair_ps(mn0.at(g), mn1.at(g)));
+    for (int64_t b = g * group_blocks; b < (g + 1) * group_blocks; ++b) {
+      const uint8_t* c0 = codes0 + b * kBlockBytes;
+      const uint8_t* c1 = codes1 + b * kBlockBytes;
+      const int64_t ahead = kAhead + (b * kBlockBytes + kAhead >= panel_bytes ? panel_bytes : 0);  // pair_kernel4
+      for (int64_t line = 0; line < kBlockBytes; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(c0 + ahead + line), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(c1 + ahead + line), _MM_HINT_T1);
+      }
+      __m512i w[8];  // vector j of both panels, unsigned: k = 4j + i
+      for (int j = 0; j < 8; ++j) w[j] = _mm512_xor_si512(pair_load(c0 + 32 * j, c1 + 32 * j), sign);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = xq[r] + b * kBlock;
+        __m512i p = dot4_bcast(_mm512_setzero_si512(), w[0], x);
+        __m512i q = dot4_bcast(_mm512_setzero_si512(), w[4], x + 16);
+        for (int j = 1; j < 4; ++j) {
+          p = dot4_bcast(p, w[j], x + 4 * j);
+          q = dot4_bcast(q, w[j + 4], x + 16 + 4 * j);
+        }
+        const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(p, q), _mm512_set1_epi32(xs128[r][b]));
+        const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(xd[r][b]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xds[r][b]), acc[r]);
+      }
+    }
+  }
+  store_pair(acc, R, res0, res1);
+}
+
 // panel_kernel_q6<R> (GGUF Q6_K: 6-bit codes, group 16, mins -32 x the scales) over panels p and p + 1
 template <int R, typename S>
 inline void pair_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* codes0, const uint8_t* codes1, S sc0,
@@ -186,7 +249,7 @@ inline void pair_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* cod
   store_pair(acc, R, res0, res1);
 }
 
-// pair_kernel4 (pair_kernel_q6 for BITS 6) for `rows` (1..kRows<BITS>) rows
+// pair_kernel4, pair_kernel8 or pair_kernel_q6 (BITS 4, 8, 6) for `rows` (1..kRows<BITS>) rows
 template <int BITS, typename S, bool DERIVED, int R = 1>
 inline void dispatch_pair_rows(int rows, const QuantizedX& a, int64_t row0, const uint8_t* codes0,
                                const uint8_t* codes1, S sc0, S sc1, S mn0, S mn1, float min_factor,
@@ -199,6 +262,9 @@ inline void dispatch_pair_rows(int rows, const QuantizedX& a, int64_t row0, cons
   }
   if constexpr (BITS == 6)
     pair_kernel_q6<R, S>(a, row0, codes0, codes1, sc0, sc1, prefetch_groups, res0, res1);
+  else if constexpr (BITS == 8)
+    pair_kernel8<R, S, DERIVED>(a, row0, codes0, codes1, sc0, sc1, mn0, mn1, min_factor, group_blocks,
+                                prefetch_groups, res0, res1);
   else
     pair_kernel4<R, S, DERIVED>(a, row0, codes0, codes1, sc0, sc1, mn0, mn1, min_factor, group_blocks,
                                 prefetch_groups, res0, res1);
