@@ -316,8 +316,8 @@ def test_the_vnni_build_equals_the_avx2_build_bit_for_bit(kernel):
             assert torch.equal(kernel.matmul(x, *args), plain.matmul(x, *args)), (bits, k, n, group, rows)
     # GGUF layouts as the loader packs them: derived mins (Q4_0, Q6_K), two-level super-blocks (Q4_K, Q6_K);
     # 4-, 6- and 8-bit panels go two at a time in the VNNI build (csrc/woq_avx512_pairs.h), an odd last one alone
-    from tests.test_gguf_blocks import random_blocks
     from pagedllm.quantization import gguf_blocks
+    from tests.test_gguf_blocks import random_blocks
 
     for type_name in ("Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q8_0", "Q5_K"):
         for n in (40, 48):  # 5 panels (two pairs and one alone), 6 (three pairs)

@@ -527,7 +527,7 @@ inline void store_tile(const float (*res)[kCols], int R, int64_t row0, int64_t p
 
 }  // namespace woq_avx2
 
-// pair_kernel4: two 4-bit panels at a time in 512-bit registers where the build has AVX512-VNNI (WOQ_PAIRS)
+// pair_kernel, pair_kernel_q6: two panels at a time in 512-bit registers where the build has AVX512-VNNI (WOQ_PAIRS)
 #include "woq_avx512_pairs.h"
 
 namespace woq_avx2 {

@@ -57,12 +57,17 @@ inline void store_pair(const __m512* acc, int R, float (*res0)[kCols], float (*r
   }
 }
 
-// panel_kernel<4, R> over panels p (codes0, sc0, mn0 -> res0) and p + 1 (codes1, sc1, mn1 -> res1)
-template <int R, typename S, bool DERIVED>
-inline void pair_kernel4(const QuantizedX& a, int64_t row0, const uint8_t* codes0, const uint8_t* codes1, S sc0,
-                         S sc1, S mn0, S mn1, float min_factor, int64_t group_blocks, int64_t prefetch_groups,
-                         float (*res0)[kCols], float (*res1)[kCols]) {
-  constexpr int64_t kBlockBytes = 128;
+// panel_kernel<BITS, R> (4 or 8) over panels p (codes0, sc0, mn0 -> res0) and p + 1 (codes1, sc1, mn1 -> res1).
+// 8-bit codes are stored as q - 128 (signed), which panel_kernel multiplies by x with the abs / sign trick
+// (VPSIGNB has no 512-bit form); here the sign bit is flipped back (q, unsigned, VPDPBUSD's unsigned
+// operand) and 128 x the block's activation code sum (a.qs128, from quantize_row) taken off: sum (q - 128) xq,
+// the same int32 exactly, then the same floats. The default model's Q8_0 lm_head (576 -> 49152, 2 threads):
+// 32 rows 6.38 -> 4.28 ms, one row 0.50 -> 0.42.
+template <int BITS, int R, typename S, bool DERIVED>
+inline void pair_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes0, const uint8_t* codes1, S sc0,
+                        S sc1, S mn0, S mn1, float min_factor, int64_t group_blocks, int64_t prefetch_groups,
+                        float (*res0)[kCols], float (*res1)[kCols]) {
+  constexpr int64_t kBlockBytes = block_bytes(BITS);
   const int64_t K = a.K, nb = K / kBlock, groups = nb / group_blocks, panel_bytes = nb * kBlockBytes;
   const int8_t* xq[R];
   const float* xd[R];
@@ -74,8 +79,8 @@ inline void pair_kernel4(const QuantizedX& a, int64_t row0, const uint8_t* codes
   }
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const __m512 factor = _mm512_set1_ps(min_factor);
+  const __m512i nibble = _mm512_set1_epi8(0x0F), sign = _mm512_set1_epi8(char(0x80));
+  const __m512 factor = _mm512_set1_ps(min_factor), k128 = _mm512_set1_ps(128.f);
   for (int64_t g = 0; g < groups; ++g) {
     _mm_prefetch(reinterpret_cast<const char*>(sc0.addr(g + prefetch_groups)), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(sc1.addr(g + prefetch_groups)), _MM_HINT_T0);
@@ -89,102 +94,44 @@ inline void pair_kernel4(const QuantizedX& a, int64_t row0, const uint8_t* codes
       m = _mm512_mul_ps(s, factor);
     else
       m = pair_ps(mn0.at(g), mn1.at(g));
+    // 8-bit codes are stored as q - 128: s q + m = s (q - 128) + (m + 128 s), as panel_kernel
+    if constexpr (BITS == 8) m = _mm512_fmadd_ps(k128, s, m);
     for (int64_t b = g * group_blocks; b < (g + 1) * group_blocks; ++b) {
       const uint8_t* c0 = codes0 + b * kBlockBytes;
       const uint8_t* c1 = codes1 + b * kBlockBytes;
-      const int64_t ahead = kAhead + (b * kBlockBytes + kAhead >= panel_bytes ? panel_bytes : 0);
+      const int64_t ahead = kAhead + (b * kBlockBytes + kAhead >= panel_bytes ? panel_bytes : 0);  // kAhead
       for (int64_t line = 0; line < kBlockBytes; line += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(c0 + ahead + line), _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(c1 + ahead + line), _MM_HINT_T1);
       }
-      __m512i w[8];  // vector v of both panels: k = 4v + i (low nibbles), 16 + 4v + i (high)
-      for (int v = 0; v < 4; ++v) {
-        const __m512i raw = pair_load(c0 + 32 * v, c1 + 32 * v);
-        w[v] = _mm512_and_si512(raw, nibble);
-        w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+      __m512i w[8];  // quad j (k = 4j + i) of both panels as unsigned codes
+      if constexpr (BITS == 4) {
+        for (int v = 0; v < 4; ++v) {  // vector v: k = 4v + i (low nibbles), 16 + 4v + i (high)
+          const __m512i raw = pair_load(c0 + 32 * v, c1 + 32 * v);
+          w[v] = _mm512_and_si512(raw, nibble);
+          w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+        }
+      } else {
+        for (int j = 0; j < 8; ++j) w[j] = _mm512_xor_si512(pair_load(c0 + 32 * j, c1 + 32 * j), sign);
       }
-      __m512i isum[R];
       for (int r = 0; r < R; ++r) {
         const int8_t* x = xq[r] + b * kBlock;
+        __m512i isum;
         if constexpr (R == 1) {
-          // two chains: one row has no other row's products to fill a VPDPBUSD's latency with
+          // two chains: one row has no other row's products to fill a VPDPBUSD's latency with (at more
+          // rows, two chains each ran a W32 step of the 1B Q4_K_M 4% slower: 137.6 against 132.7 ms)
           __m512i p = dot4_bcast(_mm512_setzero_si512(), w[0], x);
           __m512i q = dot4_bcast(_mm512_setzero_si512(), w[4], x + 16);
           for (int j = 1; j < 4; ++j) {
             p = dot4_bcast(p, w[j], x + 4 * j);
             q = dot4_bcast(q, w[j + 4], x + 16 + 4 * j);
           }
-          isum[r] = _mm512_add_epi32(p, q);
+          isum = _mm512_add_epi32(p, q);
         } else {
-          __m512i p = dot4_bcast(_mm512_setzero_si512(), w[0], x);
-          for (int j = 1; j < 8; ++j) p = dot4_bcast(p, w[j], x + 4 * j);
-          isum[r] = p;
+          isum = dot4_bcast(_mm512_setzero_si512(), w[0], x);
+          for (int j = 1; j < 8; ++j) isum = dot4_bcast(isum, w[j], x + 4 * j);
         }
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(xd[r][b]));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xds[r][b]), acc[r]);
-      }
-    }
-  }
-  store_pair(acc, R, res0, res1);
-}
-
-// panel_kernel<8, R> over panels p and p + 1. The codes are stored as q - 128 (signed), which
-// panel_kernel multiplies by x with the abs / sign trick (VPSIGNB has no 512-bit form); here the sign bit
-// is flipped back (q, unsigned, VPDPBUSD's unsigned operand) and 128 x the block's activation code sum
-// (a.qs128, from quantize_row) taken off: sum (q - 128) xq, the same int32 exactly, then the same floats.
-// The default model's Q8_0 lm_head (576 -> 49152, 2 threads): 32 rows 6.38 -> 4.28 ms, one row 0.50 -> 0.42.
-template <int R, typename S, bool DERIVED>
-inline void pair_kernel8(const QuantizedX& a, int64_t row0, const uint8_t* codes0, const uint8_t* codes1, S sc0,
-                         S sc1, S mn0, S mn1, float min_factor, int64_t group_blocks, int64_t prefetch_groups,
-                         float (*res0)[kCols], float (*res1)[kCols]) {
-  constexpr int64_t kBlockBytes = 256;
-  const int64_t K = a.K, nb = K / kBlock, groups = nb / group_blocks, panel_bytes = nb * kBlockBytes;
-  const int8_t* xq[R];
-  const float* xd[R];
-  const float* xds[R];
-  const int32_t* xs128[R];
-  for (int r = 0; r < R; ++r) {
-    xq[r] = a.q + (row0 + r) * K;
-    xd[r] = a.d + (row0 + r) * nb;
-    xds[r] = a.ds + (row0 + r) * nb;
-    xs128[r] = a.qs128 + (row0 + r) * nb;
-  }
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i sign = _mm512_set1_epi8(char(0x80));
-  const __m512 factor = _mm512_set1_ps(min_factor), k128 = _mm512_set1_ps(128.f);
-  for (int64_t g = 0; g < groups; ++g) {
-    _mm_prefetch(reinterpret_cast<const char*>(sc0.addr(g + prefetch_groups)), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(sc1.addr(g + prefetch_groups)), _MM_HINT_T0);
-    if constexpr (!DERIVED) {
-      _mm_prefetch(reinterpret_cast<const char*>(mn0.addr(g + prefetch_groups)), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(mn1.addr(g + prefetch_groups)), _MM_HINT_T0);
-    }
-    const __m512 s = pair_ps(sc0.at(g), sc1.at(g));
-    // s q + m = s (q - 128) + (m + 128 s), as panel_kernel
-    const __m512 m = _mm512_fmadd_ps(k128, s, DERIVED ? _mm512_mul_ps(s, factor) : pair_ps(mn0.at(g), mn1.at(g)));
-    for (int64_t b = g * group_blocks; b < (g + 1) * group_blocks; ++b) {
-      const uint8_t* c0 = codes0 + b * kBlockBytes;
-      const uint8_t* c1 = codes1 + b * kBlockBytes;
-      const int64_t ahead = kAhead + (b * kBlockBytes + kAhead >= panel_bytes ? panel_bytes : 0);  // pair_kernel4
-      for (int64_t line = 0; line < kBlockBytes; line += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(c0 + ahead + line), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(c1 + ahead + line), _MM_HINT_T1);
-      }
-      __m512i w[8];  // vector j of both panels, unsigned: k = 4j + i
-      for (int j = 0; j < 8; ++j) w[j] = _mm512_xor_si512(pair_load(c0 + 32 * j, c1 + 32 * j), sign);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* x = xq[r] + b * kBlock;
-        __m512i p = dot4_bcast(_mm512_setzero_si512(), w[0], x);
-        __m512i q = dot4_bcast(_mm512_setzero_si512(), w[4], x + 16);
-        for (int j = 1; j < 4; ++j) {
-          p = dot4_bcast(p, w[j], x + 4 * j);
-          q = dot4_bcast(q, w[j + 4], x + 16 + 4 * j);
-        }
-        const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(p, q), _mm512_set1_epi32(xs128[r][b]));
+        if constexpr (BITS == 8) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(a.qs128[(row0 + r) * nb + b]));
         const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(xd[r][b]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r]);
         acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xds[r][b]), acc[r]);
@@ -217,7 +164,7 @@ inline void pair_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* cod
     _mm_prefetch(reinterpret_cast<const char*>(sc1.addr(2 * b + prefetch_groups)), _MM_HINT_T0);
     const uint8_t* c0 = codes0 + b * kBlockBytes;
     const uint8_t* c1 = codes1 + b * kBlockBytes;
-    const int64_t ahead = kAhead + (b * kBlockBytes + kAhead >= panel_bytes ? panel_bytes : 0);  // pair_kernel4
+    const int64_t ahead = kAhead + (b * kBlockBytes + kAhead >= panel_bytes ? panel_bytes : 0);  // kAhead
     for (int64_t line = 0; line < kBlockBytes; line += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(c0 + ahead + line), _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(c1 + ahead + line), _MM_HINT_T1);
@@ -249,7 +196,7 @@ inline void pair_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* cod
   store_pair(acc, R, res0, res1);
 }
 
-// pair_kernel4, pair_kernel8 or pair_kernel_q6 (BITS 4, 8, 6) for `rows` (1..kRows<BITS>) rows
+// pair_kernel (BITS 4, 8) or pair_kernel_q6 (BITS 6) for `rows` (1..kRows<BITS>) rows
 template <int BITS, typename S, bool DERIVED, int R = 1>
 inline void dispatch_pair_rows(int rows, const QuantizedX& a, int64_t row0, const uint8_t* codes0,
                                const uint8_t* codes1, S sc0, S sc1, S mn0, S mn1, float min_factor,
@@ -262,12 +209,9 @@ inline void dispatch_pair_rows(int rows, const QuantizedX& a, int64_t row0, cons
   }
   if constexpr (BITS == 6)
     pair_kernel_q6<R, S>(a, row0, codes0, codes1, sc0, sc1, prefetch_groups, res0, res1);
-  else if constexpr (BITS == 8)
-    pair_kernel8<R, S, DERIVED>(a, row0, codes0, codes1, sc0, sc1, mn0, mn1, min_factor, group_blocks,
-                                prefetch_groups, res0, res1);
   else
-    pair_kernel4<R, S, DERIVED>(a, row0, codes0, codes1, sc0, sc1, mn0, mn1, min_factor, group_blocks,
-                                prefetch_groups, res0, res1);
+    pair_kernel<BITS, R, S, DERIVED>(a, row0, codes0, codes1, sc0, sc1, mn0, mn1, min_factor, group_blocks,
+                                     prefetch_groups, res0, res1);
 }
 
 }  // namespace woq_avx2
