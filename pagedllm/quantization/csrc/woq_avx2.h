@@ -281,6 +281,23 @@ struct QuantizedX {
   const int32_t* qs128 = nullptr;  // 128 x each block's code sum [M, K/32]: 8-bit pair kernels only
 };
 
+// Rows row0..row0 + R - 1 of the quantized x as every micro-kernel reads them: codes, block scales, and the
+// scaled code sums per 32-block (a.ds), or per 16 (a.ds16) for group 16.
+template <int R>
+struct XRows {
+  const int8_t* q[R];
+  const float* d[R];
+  const float* ds[R];
+  XRows(const QuantizedX& a, int64_t row0, bool per16) {
+    const int64_t nb = a.K / kBlock;
+    for (int r = 0; r < R; ++r) {
+      q[r] = a.q + (row0 + r) * a.K;
+      d[r] = a.d + (row0 + r) * nb;
+      ds[r] = per16 ? a.ds16 + (row0 + r) * 2 * nb : a.ds + (row0 + r) * nb;
+    }
+  }
+};
+
 // R rows (row0..row0+R-1) of x times one panel of 8 columns over the whole K, into res[R][8] (float32,
 // no bias). Per block and row: 8 VPMADDUBSW + 7 adds + 1 VPMADDWD (4-bit) then a convert, a multiply and 2
 // FMAs; the unpacking (3 ops a weight vector) is shared by the R rows. That is near the floor for AVX2
@@ -297,14 +314,7 @@ inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes
                          int64_t group_blocks, int64_t prefetch_groups, float (*res)[kCols]) {
   constexpr int64_t kBlockBytes = BITS == 4 ? 128 : 256;
   const int64_t K = a.K, nb = K / kBlock, groups = nb / group_blocks;
-  const int8_t* xq[R];
-  const float* xd[R];
-  const float* xds[R];
-  for (int r = 0; r < R; ++r) {
-    xq[r] = a.q + (row0 + r) * K;
-    xd[r] = a.d + (row0 + r) * nb;
-    xds[r] = a.ds + (row0 + r) * nb;
-  }
+  const XRows<R> xr(a, row0, false);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
@@ -336,7 +346,7 @@ inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes
           w[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
         }
         for (int r = 0; r < R; ++r) {
-          const int8_t* x = xq[r] + b * kBlock;
+          const int8_t* x = xr.q[r] + b * kBlock;
 #ifdef WOQ_VNNI
           __m256i p = dot4(w[0], bcast4(x));
           for (int j = 1; j < 8; ++j) p = dot4(p, w[j], bcast4(x + 4 * j));
@@ -355,15 +365,15 @@ inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * j));
           const __m256i aw = _mm256_abs_epi8(w);
           for (int r = 0; r < R; ++r) {
-            const __m256i xs = _mm256_sign_epi8(bcast4(xq[r] + b * kBlock + 4 * j), w);
+            const __m256i xs = _mm256_sign_epi8(bcast4(xr.q[r] + b * kBlock + 4 * j), w);
             isum[r] = j == 0 ? dot4(aw, xs) : dot4(isum[r], aw, xs);
           }
         }
       }
       for (int r = 0; r < R; ++r) {
-        const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(xd[r][b]));
+        const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(xr.d[r][b]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
-        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xds[r][b]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xr.ds[r][b]), acc[r]);
       }
     }
   }
@@ -379,14 +389,7 @@ inline void panel_kernel_g16(const QuantizedX& a, int64_t row0, const uint8_t* c
                              float min_factor, int64_t prefetch_groups, float (*res)[kCols]) {
   constexpr int64_t kBlockBytes = 256;
   const int64_t K = a.K, nb = K / kBlock;
-  const int8_t* xq[R];
-  const float* xd[R];
-  const float* xds[R];
-  for (int r = 0; r < R; ++r) {
-    xq[r] = a.q + (row0 + r) * K;
-    xd[r] = a.d + (row0 + r) * nb;
-    xds[r] = a.ds16 + (row0 + r) * 2 * nb;
-  }
+  const XRows<R> xr(a, row0, true);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256 k128 = _mm256_set1_ps(128.f), factor = _mm256_set1_ps(min_factor);
@@ -404,7 +407,7 @@ inline void panel_kernel_g16(const QuantizedX& a, int64_t row0, const uint8_t* c
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * j));
         const __m256i aw = _mm256_abs_epi8(w);
         for (int r = 0; r < R; ++r) {
-          const __m256i xs = _mm256_sign_epi8(bcast4(xq[r] + b * kBlock + 4 * j), w);
+          const __m256i xs = _mm256_sign_epi8(bcast4(xr.q[r] + b * kBlock + 4 * j), w);
           isum[r] = j == 4 * h ? dot4(aw, xs) : dot4(isum[r], aw, xs);
         }
       }
@@ -412,9 +415,9 @@ inline void panel_kernel_g16(const QuantizedX& a, int64_t row0, const uint8_t* c
       const __m256 s = sc.at(g);
       const __m256 m = _mm256_fmadd_ps(k128, s, DERIVED ? _mm256_mul_ps(s, factor) : mn.at(g));
       for (int r = 0; r < R; ++r) {
-        const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(xd[r][b]));
+        const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(xr.d[r][b]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
-        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xds[r][g]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xr.ds[r][g]), acc[r]);
       }
     }
   }
@@ -434,14 +437,7 @@ inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* co
                             int64_t prefetch_groups, float (*res)[kCols]) {
   constexpr int64_t kBlockBytes = block_bytes(6);
   const int64_t K = a.K, nb = K / kBlock;
-  const int8_t* xq[R];
-  const float* xd[R];
-  const float* xds[R];
-  for (int r = 0; r < R; ++r) {
-    xq[r] = a.q + (row0 + r) * K;
-    xd[r] = a.d + (row0 + r) * nb;
-    xds[r] = a.ds16 + (row0 + r) * 2 * nb;
-  }
+  const XRows<R> xr(a, row0, true);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i nibble = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
@@ -462,16 +458,16 @@ inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* co
         const __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(plane, 2 * t), two), 4);
         const __m256i w = _mm256_or_si256(low, top);
         for (int r = 0; r < R; ++r) {
-          const __m256i x = bcast4(xq[r] + b * kBlock + 16 * h + 4 * t);
+          const __m256i x = bcast4(xr.q[r] + b * kBlock + 16 * h + 4 * t);
           isum[r] = t == 0 ? dot4(w, x) : dot4(isum[r], w, x);
         }
       }
       const __m256 s = sc.at(g);
       const __m256 m = _mm256_mul_ps(s, minus32);
       for (int r = 0; r < R; ++r) {
-        const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(xd[r][b]));
+        const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(xr.d[r][b]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
-        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xds[r][g]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xr.ds[r][g]), acc[r]);
       }
     }
   }
@@ -538,14 +534,17 @@ constexpr bool kPairs = true;
 constexpr bool kPairs = false;
 #endif
 
+// whether run_panels takes a layer's panels in pairs: 4- and 8-bit codes in groups of 32 or more, Q6_K's 6-bit
+constexpr bool paired(int64_t bits, bool half) { return kPairs && (bits == 6 ? half : !half); }
+
 // Panels [p_begin, p_end) for all M rows: strip by strip (kStripBytes of codes), every kRows-row block of x
-// over a strip before the next. HALF: group 16 (8-bit codes), two groups a block. 4-bit and 6-bit panels go
-// two at a time where the build has the pair kernels (a strip then holds an even count, at least 2).
+// over a strip before the next. HALF: group 16 (8-bit codes), two groups a block. Panels go two at a time
+// where paired() says so (a strip then holds an even count, at least 2).
 template <int BITS, typename S, typename T, bool HALF, bool DERIVED>
 void run_panels(const QuantizedX& a, int64_t M, const uint8_t* codes, S sc, S mn, float min_factor,
                 int64_t group_size, const float* bias, int64_t N, T* out, int64_t p_begin, int64_t p_end) {
   constexpr int64_t kBlockBytes = block_bytes(BITS);
-  constexpr bool kPaired = kPairs && (BITS == 6 ? HALF : !HALF);
+  constexpr bool kPaired = paired(BITS, HALF);
   const int64_t nb = a.K / kBlock, groups = a.K / group_size, group_blocks = HALF ? 1 : group_size / kBlock;
   const int64_t panel_bytes = nb * kBlockBytes;
   const int64_t strip = kPaired ? std::max<int64_t>(2, kStripBytes / panel_bytes) & ~int64_t(1)
@@ -597,7 +596,7 @@ void matmul_into(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S
   int8_t* q = q_buf.data();
   float* d = d_buf.data();
   float* ds16 = half ? d + 2 * M * nb : nullptr;
-  const bool sums = kPairs && bits == 8 && !half;  // the 8-bit pair kernel's correction
+  const bool sums = bits == 8 && paired(bits, half);  // the 8-bit pair kernel's correction
   if (sums) s_buf.resize(M * nb);
   int32_t* qs128 = sums ? s_buf.data() : nullptr;
   const QuantizedX a{q, d, d + M * nb, K, ds16, qs128};

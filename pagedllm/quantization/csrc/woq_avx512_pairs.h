@@ -69,14 +69,7 @@ inline void pair_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes0
                         float (*res0)[kCols], float (*res1)[kCols]) {
   constexpr int64_t kBlockBytes = block_bytes(BITS);
   const int64_t K = a.K, nb = K / kBlock, groups = nb / group_blocks, panel_bytes = nb * kBlockBytes;
-  const int8_t* xq[R];
-  const float* xd[R];
-  const float* xds[R];
-  for (int r = 0; r < R; ++r) {
-    xq[r] = a.q + (row0 + r) * K;
-    xd[r] = a.d + (row0 + r) * nb;
-    xds[r] = a.ds + (row0 + r) * nb;
-  }
+  const XRows<R> xr(a, row0, false);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0F), sign = _mm512_set1_epi8(char(0x80));
@@ -115,7 +108,7 @@ inline void pair_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes0
         for (int j = 0; j < 8; ++j) w[j] = _mm512_xor_si512(pair_load(c0 + 32 * j, c1 + 32 * j), sign);
       }
       for (int r = 0; r < R; ++r) {
-        const int8_t* x = xq[r] + b * kBlock;
+        const int8_t* x = xr.q[r] + b * kBlock;
         __m512i isum;
         if constexpr (R == 1) {
           // two chains: one row has no other row's products to fill a VPDPBUSD's latency with (at more
@@ -132,9 +125,9 @@ inline void pair_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes0
           for (int j = 1; j < 8; ++j) isum = dot4_bcast(isum, w[j], x + 4 * j);
         }
         if constexpr (BITS == 8) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(a.qs128[(row0 + r) * nb + b]));
-        const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(xd[r][b]));
+        const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(xr.d[r][b]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r]);
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xds[r][b]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xr.ds[r][b]), acc[r]);
       }
     }
   }
@@ -147,14 +140,7 @@ inline void pair_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* cod
                            S sc1, int64_t prefetch_groups, float (*res0)[kCols], float (*res1)[kCols]) {
   constexpr int64_t kBlockBytes = block_bytes(6);
   const int64_t K = a.K, nb = K / kBlock, panel_bytes = nb * kBlockBytes;
-  const int8_t* xq[R];
-  const float* xd[R];
-  const float* xds[R];
-  for (int r = 0; r < R; ++r) {
-    xq[r] = a.q + (row0 + r) * K;
-    xd[r] = a.d + (row0 + r) * nb;
-    xds[r] = a.ds16 + (row0 + r) * 2 * nb;
-  }
+  const XRows<R> xr(a, row0, true);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03);
@@ -180,16 +166,16 @@ inline void pair_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* cod
         const __m512i top = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(plane, 2 * t), two), 4);
         const __m512i w = _mm512_or_si512(low, top);
         for (int r = 0; r < R; ++r) {
-          const int8_t* x = xq[r] + b * kBlock + 16 * h + 4 * t;
+          const int8_t* x = xr.q[r] + b * kBlock + 16 * h + 4 * t;
           isum[r] = dot4_bcast(t == 0 ? _mm512_setzero_si512() : isum[r], w, x);
         }
       }
       const __m512 s = pair_ps(sc0.at(g), sc1.at(g));
       const __m512 m = _mm512_mul_ps(s, minus32);
       for (int r = 0; r < R; ++r) {
-        const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(xd[r][b]));
+        const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(xr.d[r][b]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xds[r][g]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xr.ds[r][g]), acc[r]);
       }
     }
   }
