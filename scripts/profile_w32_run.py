@@ -2,6 +2,7 @@
 
 .venv/bin/python scripts/profile_w32_run.py gguf     # the default model from its GGUF blocks
 .venv/bin/python scripts/profile_w32_run.py none     # bf16 (the GGUF dequantized)
+PAGEDLLM_PROFILE_MODEL=/tmp/models/llama1b-q4_k_m.gguf .venv/bin/python scripts/profile_w32_run.py none   # a file
 
 It runs W32 as `pagedllm bench throughput` does (all 32 prompts at once, greedy, ignore_eos, the prefix
 cache emptied first) three times in one process, drops the first, and prints for each of the other two
@@ -10,6 +11,7 @@ decode steps' count, sum and median, and what the engine spent outside the model
 """
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -20,17 +22,19 @@ from pagedllm import LLM, SamplingParams
 W32 = Path(__file__).resolve().parents[1].parent / "shared" / "bench" / "w32.jsonl"
 
 quantization = None if sys.argv[1:2] in ([], ["none"]) else sys.argv[1]
-llm = LLM(show_progress=False, quantization=quantization)
+model_path = os.environ.get("PAGEDLLM_PROFILE_MODEL")  # a GGUF file or HF folder instead of the default
+kwargs = {"model": model_path, "kv_cache_memory": "1GiB"} if model_path else {}
+llm = LLM(show_progress=False, quantization=quantization, **kwargs)
 engine = llm.llm_engine
 prompts = [json.loads(line) for line in W32.read_text().splitlines()]
 steps: list[tuple[int, int, float]] = []  # (tokens, sequences, seconds) per runner call
 execute = engine.runner.execute_model
 
 
-def timed_execute(scheduler_output):
+def timed_execute(scheduler_output, *args):
     start = time.perf_counter()
     try:
-        return execute(scheduler_output)
+        return execute(scheduler_output, *args)
     finally:
         steps.append(
             (

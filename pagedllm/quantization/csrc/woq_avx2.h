@@ -6,6 +6,9 @@
 //     x_k ~ d_b * xq_k,  |xq_k| <= 127,  d_b = max|x| / 127 over block b,
 // and each block's sum is kept, so a group of w = s q + m costs integer dot products and two FMAs:
 //     sum_k x_k (s q_k + m) ~ s * d_b * sum_k q_k xq_k + m * (d_b * sum_k xq_k).
+// Where the mins are c x the scales (GGUF's symmetric types: derived, below), w = s (q + c) with c an
+// integer, so the min is taken in int32 instead, and the block costs one FMA:
+//     sum_k x_k s (q_k + c) ~ s * d_b * (sum_k q_k xq_k + c * sum_k xq_k).
 // The integer dot products run on VPMADDUBSW (u8 x s8 -> pairs summed in int16) + VPMADDWD (-> int32).
 //
 // Accuracy contract: the result is the float32 reference x.float() @ (s q + m)^T (+ bias) with x rounded
@@ -49,6 +52,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -163,7 +167,7 @@ inline int32_t hsum(__m256i v) {
 template <typename T>
 struct FlatScales {
   const T* p;
-  __m256 at(int64_t g) const { return load8(p + g * kCols); }
+  [[gnu::always_inline]] __m256 at(int64_t g) const { return load8(p + g * kCols); }
   const void* addr(int64_t g) const { return p + g * kCols; }
   FlatScales panel(int64_t i, int64_t groups) const { return {p + i * groups * kCols}; }
 };
@@ -172,7 +176,7 @@ struct TwoLevelScales {
   const uint8_t* p;
   int shift;       // log2 of the groups a super-block (sb)
   int64_t stride;  // bytes a super-block: 16 + 8 sb
-  __m256 at(int64_t g) const {
+  [[gnu::always_inline]] __m256 at(int64_t g) const {
     const uint8_t* block = p + (g >> shift) * stride;
     const int8_t* codes = reinterpret_cast<const int8_t*>(block + 16 + (g & ((int64_t(1) << shift) - 1)) * kCols);
     const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes))));
@@ -211,7 +215,8 @@ inline ScaleRef mins_ref(const at::Tensor& mins, const ScaleRef& scales) {
   TORCH_CHECK(mins.scalar_type() == at::kFloat, "woq_avx2: a derived mins factor must be one float32 element");
   ScaleRef r = scales;
   r.factor = mins.item<float>();
-  TORCH_CHECK(r.factor != 0.f, "woq_avx2: a derived mins factor cannot be 0");
+  TORCH_CHECK(r.factor != 0.f && r.factor == float(int32_t(r.factor)) && std::abs(r.factor) <= 128.f,
+              "woq_avx2: a derived mins factor must be a nonzero integer in [-128, 128]");
   return r;
 }
 
@@ -231,14 +236,16 @@ inline void with_scales(const ScaleRef& sc, const ScaleRef& mn, Fn&& fn) {
 
 // One row of x (float32 or bf16, K a multiple of 32) -> int8 codes q [K], block scales d [K/32] and
 // d * (sum of the block's codes) ds [K/32]; with ds16 (else nullptr) also d * (sum of each 16-half's codes)
-// ds16 [K/16], for group 16. Round to nearest even (VCVTPS2DQ); an all-zero block gets d = 0.
+// ds16 [K/16], for group 16. Integer code sums where asked: 128 x each block's in qs128 [K/32], and c x each
+// block's (each 16-half's where ds16 is given) in corr [K/32 or K/16], for derived mins c x the scales.
+// Round to nearest even (VCVTPS2DQ); an all-zero block gets d = 0.
 // The min term m * sum(x) takes d * sum(codes), the same rounded x as s * sum(q x): then the result is
 // exactly sum(w * x_rounded), and where s q and m nearly cancel (Q4_1, m ~ -8 s) their rounding errors
 // cancel too. Tried: the block's exact float sum for the min term, which left s * sum(q * error) uncancelled
 // (bf16 GGUF logits against the dequantized model moved from mean 0.52 to past 0.8, greedy changed).
 template <typename T>
 inline void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* ds, float* ds16 = nullptr,
-                         int32_t* qs128 = nullptr) {
+                         int32_t* qs128 = nullptr, int32_t* corr = nullptr, int32_t c = 0) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
   for (int64_t b = 0; b < K / kBlock; ++b) {
@@ -264,8 +271,12 @@ inline void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* ds, 
     ds[b] = scale * float(code_sum);
     if (qs128) qs128[b] = 128 * code_sum;
     if (ds16) {  // v[0], v[1] are k 0..15 of the block, v[2], v[3] k 16..31
-      ds16[2 * b] = scale * float(hsum(_mm256_add_epi32(i[0], i[1])));
-      ds16[2 * b + 1] = scale * float(hsum(_mm256_add_epi32(i[2], i[3])));
+      const int32_t lo = hsum(_mm256_add_epi32(i[0], i[1])), hi = hsum(_mm256_add_epi32(i[2], i[3]));
+      ds16[2 * b] = scale * float(lo);
+      ds16[2 * b + 1] = scale * float(hi);
+      if (corr) corr[2 * b] = c * lo, corr[2 * b + 1] = c * hi;
+    } else if (corr) {
+      corr[b] = c * code_sum;
     }
   }
 }
@@ -278,22 +289,28 @@ struct QuantizedX {
   const float* ds;
   int64_t K;
   const float* ds16 = nullptr;
-  const int32_t* qs128 = nullptr;  // 128 x each block's code sum [M, K/32]: 8-bit pair kernels only
+  const int32_t* qs128 = nullptr;  // 128 x each block's code sum [M, K/32]: 8-bit kernels (below)
+  const int32_t* corr = nullptr;   // derived mins: c x each block's code sum [M, K/32] ([M, K/16] for group 16)
 };
 
-// Rows row0..row0 + R - 1 of the quantized x as every micro-kernel reads them: codes, block scales, and the
-// scaled code sums per 32-block (a.ds), or per 16 (a.ds16) for group 16.
+// Rows row0..row0 + R - 1 of the quantized x as every micro-kernel reads them: codes, block scales, the
+// scaled code sums per 32-block (a.ds), or per 16 (a.ds16) for group 16, and the derived mins' integer
+// corrections (a.corr, per 32 or per 16 alike; a.qs128 per 32).
 template <int R>
 struct XRows {
   const int8_t* q[R];
   const float* d[R];
   const float* ds[R];
+  const int32_t* corr[R];
+  const int32_t* qs128[R];
   XRows(const QuantizedX& a, int64_t row0, bool per16) {
-    const int64_t nb = a.K / kBlock;
+    const int64_t nb = a.K / kBlock, per = per16 ? 2 * nb : nb;
     for (int r = 0; r < R; ++r) {
       q[r] = a.q + (row0 + r) * a.K;
       d[r] = a.d + (row0 + r) * nb;
       ds[r] = per16 ? a.ds16 + (row0 + r) * 2 * nb : a.ds + (row0 + r) * nb;
+      corr[r] = a.corr ? a.corr + (row0 + r) * per : nullptr;
+      qs128[r] = a.qs128 ? a.qs128 + (row0 + r) * nb : nullptr;
     }
   }
 };
@@ -307,10 +324,12 @@ struct XRows {
 // wrong results) ran 1.45x faster, so the scale and min per 32-block are what is left to pay; replacing
 // VPMADDWD by shifts and adds was slower (118 -> 106 GFLOP/s); the rows interleaved quad by quad instead
 // of one chain a row, the same speed; 32-byte loads instead of the 4-byte broadcasts, the same.
-// DERIVED: the mins are min_factor x the scales (mins_ref), not read; a template parameter, not a test in
-// the loop: the per-group branch cost 3% of a W32 decode step of the default model (ab_decode_stack.py).
+// DERIVED: the mins are c x the scales (mins_ref), not read: each block's int32 sum takes c x the code sum
+// (a.corr), and 8-bit codes' 128 x it (a.qs128: they are stored as q - 128), so w = s (q + c) costs one FMA.
+// A template parameter, not a test in the loop: the per-group branch cost 3% of a W32 decode step of the
+// default model (ab_decode_stack.py).
 template <int BITS, int R, typename S, bool DERIVED>
-inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes, S sc, S mn, float min_factor,
+inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes, S sc, S mn, float,
                          int64_t group_blocks, int64_t prefetch_groups, float (*res)[kCols]) {
   constexpr int64_t kBlockBytes = BITS == 4 ? 128 : 256;
   const int64_t K = a.K, nb = K / kBlock, groups = nb / group_blocks;
@@ -319,18 +338,16 @@ inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const __m256 factor = _mm256_set1_ps(min_factor);
   for (int64_t g = 0; g < groups; ++g) {
     _mm_prefetch(reinterpret_cast<const char*>(sc.addr(g + prefetch_groups)), _MM_HINT_T0);
     if constexpr (!DERIVED) _mm_prefetch(reinterpret_cast<const char*>(mn.addr(g + prefetch_groups)), _MM_HINT_T0);
     const __m256 s = sc.at(g);
-    __m256 m;
-    if constexpr (DERIVED)
-      m = _mm256_mul_ps(s, factor);
-    else
+    [[maybe_unused]] __m256 m;
+    if constexpr (!DERIVED) {
       m = mn.at(g);
-    // 8-bit codes are stored as q - 128: s q + m = s (q - 128) + (m + 128 s)
-    if constexpr (BITS == 8) m = _mm256_fmadd_ps(_mm256_set1_ps(128.f), s, m);
+      // 8-bit codes are stored as q - 128: s q + m = s (q - 128) + (m + 128 s)
+      if constexpr (BITS == 8) m = _mm256_fmadd_ps(_mm256_set1_ps(128.f), s, m);
+    }
     for (int64_t b = g * group_blocks; b < (g + 1) * group_blocks; ++b) {
       const uint8_t* c = codes + b * kBlockBytes;
       for (int64_t line = 0; line < kBlockBytes; line += 64)
@@ -371,9 +388,11 @@ inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes
         }
       }
       for (int r = 0; r < R; ++r) {
+        if constexpr (DERIVED)
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_set1_epi32(xr.corr[r][b] + (BITS == 8 ? xr.qs128[r][b] : 0)));
         const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(xr.d[r][b]));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
-        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xr.ds[r][b]), acc[r]);
+        if constexpr (!DERIVED) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xr.ds[r][b]), acc[r]);
       }
     }
   }
@@ -426,7 +445,8 @@ inline void panel_kernel_g16(const QuantizedX& a, int64_t row0, const uint8_t* c
 
 // GGUF Q6_K with its codes in 6 bits, group 16 (what panel_kernel_g16 runs on 8-bit codes, at 3/4 of the
 // bytes: decode streams the weights, so bytes are time), and no mins read: Q6_K's are -32 x its scales, a
-// multiply by a power of two (exact), so the layout stores none (`mn` is never read). A block's 192 bytes a panel: the 4-bit layout's 4
+// multiply by a power of two (exact), so the layout stores none (`mn` is never read): the int32 sums take -32 x
+// the code sums (a.corr), as panel_kernel's derived mins. A block's 192 bytes a panel: the 4-bit layout's 4
 // nibble vectors (vector v: k = 4v + i low, k = 16 + 4v + i high), then two vectors of the codes' top 2 bits:
 // byte 4c + i of plane h holds those of k = 16h + 4t + i in bits 2t, 2t + 1 (t = 0..3). The codes 0..63 are
 // VPMADDUBSW's unsigned operand as they are (a pair at most 2 * 63 * 127 = 16002 < 32767), so no q - 128
@@ -441,7 +461,6 @@ inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* co
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i nibble = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
-  const __m256 minus32 = _mm256_set1_ps(-32.f);
   for (int64_t b = 0; b < nb; ++b) {
     _mm_prefetch(reinterpret_cast<const char*>(sc.addr(2 * b + prefetch_groups)), _MM_HINT_T0);
     const uint8_t* c = codes + b * kBlockBytes;
@@ -463,11 +482,10 @@ inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* co
         }
       }
       const __m256 s = sc.at(g);
-      const __m256 m = _mm256_mul_ps(s, minus32);
       for (int r = 0; r < R; ++r) {
+        const __m256i exact = _mm256_add_epi32(isum[r], _mm256_set1_epi32(xr.corr[r][g]));
         const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(xr.d[r][b]));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
-        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xr.ds[r][g]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), scale, acc[r]);
       }
     }
   }
@@ -590,20 +608,26 @@ void matmul_into(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S
   // the quantized activations: K + 8 K/32 bytes a row (+ 8 K/32 for group 16), reused by every panel
   static thread_local std::vector<int8_t> q_buf;
   static thread_local std::vector<float> d_buf;
-  static thread_local std::vector<int32_t> s_buf;
+  static thread_local std::vector<int32_t> s_buf, c_buf;
   q_buf.resize(M * K);
   d_buf.resize((half ? 4 : 2) * M * nb);
   int8_t* q = q_buf.data();
   float* d = d_buf.data();
   float* ds16 = half ? d + 2 * M * nb : nullptr;
-  const bool sums = bits == 8 && paired(bits, half);  // the 8-bit pair kernel's correction
+  // derived mins (c x the scales) as int32 corrections: every kernel but panel_kernel_g16's (8-bit, group 16)
+  const bool derived = mins.factor != 0.f, corrected = derived && (!half || bits == 6);
+  TORCH_CHECK(bits != 6 || mins.factor == -32.f, "woq_avx2: 6-bit (Q6_K) layers take mins of -32 x the scales");
+  const bool sums = bits == 8 && !half && (derived || paired(bits, half));  // 128 x the code sums (a.qs128)
+  const int64_t per = half ? 2 * nb : nb;
   if (sums) s_buf.resize(M * nb);
+  if (corrected) c_buf.resize(M * per);
   int32_t* qs128 = sums ? s_buf.data() : nullptr;
-  const QuantizedX a{q, d, d + M * nb, K, ds16, qs128};
+  int32_t* corr = corrected ? c_buf.data() : nullptr;
+  const QuantizedX a{q, d, d + M * nb, K, ds16, qs128, corr};
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       quantize_row(x + r * K, K, q + r * K, d + r * nb, d + M * nb + r * nb, half ? ds16 + 2 * r * nb : nullptr,
-                   sums ? qs128 + r * nb : nullptr);
+                   sums ? qs128 + r * nb : nullptr, corrected ? corr + r * per : nullptr, int32_t(mins.factor));
   });
   const int64_t panel_work = nb * block_bytes(bits) * M;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / panel_work);

@@ -61,11 +61,12 @@ inline void store_pair(const __m512* acc, int R, float (*res0)[kCols], float (*r
 // 8-bit codes are stored as q - 128 (signed), which panel_kernel multiplies by x with the abs / sign trick
 // (VPSIGNB has no 512-bit form); here the sign bit is flipped back (q, unsigned, VPDPBUSD's unsigned
 // operand) and 128 x the block's activation code sum (a.qs128, from quantize_row) taken off: sum (q - 128) xq,
-// the same int32 exactly, then the same floats. The default model's Q8_0 lm_head (576 -> 49152, 2 threads):
+// the same int32 exactly, then the same floats; derived mins (Q8_0) take c x the code sum instead (a.corr):
+// sum (q + c) xq, panel_kernel's int32 again. The default model's Q8_0 lm_head (576 -> 49152, 2 threads):
 // 32 rows 6.38 -> 4.28 ms, one row 0.50 -> 0.42.
 template <int BITS, int R, typename S, bool DERIVED>
 inline void pair_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes0, const uint8_t* codes1, S sc0,
-                        S sc1, S mn0, S mn1, float min_factor, int64_t group_blocks, int64_t prefetch_groups,
+                        S sc1, S mn0, S mn1, float, int64_t group_blocks, int64_t prefetch_groups,
                         float (*res0)[kCols], float (*res1)[kCols]) {
   constexpr int64_t kBlockBytes = block_bytes(BITS);
   const int64_t K = a.K, nb = K / kBlock, groups = nb / group_blocks, panel_bytes = nb * kBlockBytes;
@@ -73,7 +74,7 @@ inline void pair_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes0
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0F), sign = _mm512_set1_epi8(char(0x80));
-  const __m512 factor = _mm512_set1_ps(min_factor), k128 = _mm512_set1_ps(128.f);
+  const __m512 k128 = _mm512_set1_ps(128.f);
   for (int64_t g = 0; g < groups; ++g) {
     _mm_prefetch(reinterpret_cast<const char*>(sc0.addr(g + prefetch_groups)), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(sc1.addr(g + prefetch_groups)), _MM_HINT_T0);
@@ -82,13 +83,12 @@ inline void pair_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes0
       _mm_prefetch(reinterpret_cast<const char*>(mn1.addr(g + prefetch_groups)), _MM_HINT_T0);
     }
     const __m512 s = pair_ps(sc0.at(g), sc1.at(g));
-    __m512 m;
-    if constexpr (DERIVED)
-      m = _mm512_mul_ps(s, factor);
-    else
+    [[maybe_unused]] __m512 m;
+    if constexpr (!DERIVED) {
       m = pair_ps(mn0.at(g), mn1.at(g));
-    // 8-bit codes are stored as q - 128: s q + m = s (q - 128) + (m + 128 s), as panel_kernel
-    if constexpr (BITS == 8) m = _mm512_fmadd_ps(k128, s, m);
+      // 8-bit codes are stored as q - 128: s q + m = s (q - 128) + (m + 128 s), as panel_kernel
+      if constexpr (BITS == 8) m = _mm512_fmadd_ps(k128, s, m);
+    }
     for (int64_t b = g * group_blocks; b < (g + 1) * group_blocks; ++b) {
       const uint8_t* c0 = codes0 + b * kBlockBytes;
       const uint8_t* c1 = codes1 + b * kBlockBytes;
@@ -124,10 +124,13 @@ inline void pair_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes0
           isum = dot4_bcast(_mm512_setzero_si512(), w[0], x);
           for (int j = 1; j < 8; ++j) isum = dot4_bcast(isum, w[j], x + 4 * j);
         }
-        if constexpr (BITS == 8) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(a.qs128[(row0 + r) * nb + b]));
+        if constexpr (DERIVED)
+          isum = _mm512_add_epi32(isum, _mm512_set1_epi32(xr.corr[r][b]));
+        else if constexpr (BITS == 8)
+          isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(xr.qs128[r][b]));
         const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(xr.d[r][b]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r]);
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xr.ds[r][b]), acc[r]);
+        if constexpr (!DERIVED) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xr.ds[r][b]), acc[r]);
       }
     }
   }
@@ -144,7 +147,6 @@ inline void pair_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* cod
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03);
-  const __m512 minus32 = _mm512_set1_ps(-32.f);
   for (int64_t b = 0; b < nb; ++b) {
     _mm_prefetch(reinterpret_cast<const char*>(sc0.addr(2 * b + prefetch_groups)), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(sc1.addr(2 * b + prefetch_groups)), _MM_HINT_T0);
@@ -171,11 +173,10 @@ inline void pair_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* cod
         }
       }
       const __m512 s = pair_ps(sc0.at(g), sc1.at(g));
-      const __m512 m = _mm512_mul_ps(s, minus32);
       for (int r = 0; r < R; ++r) {
+        const __m512i exact = _mm512_add_epi32(isum[r], _mm512_set1_epi32(xr.corr[r][g]));  // -32 x the code sum
         const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(xr.d[r][b]));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xr.ds[r][g]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[r]);
       }
     }
   }
