@@ -581,8 +581,8 @@ void run_panels(const QuantizedX& a, int64_t M, const uint8_t* codes, S sc, S mn
         for (; p + 1 < pe; p += 2) {
           dispatch_pair_rows<BITS, S, DERIVED>(R, a, r0, codes + p * panel_bytes, codes + (p + 1) * panel_bytes,
                                          sc.panel(p, groups), sc.panel(p + 1, groups), mn.panel(p, groups),
-                                         mn.panel(p + 1, groups), min_factor, group_blocks, prefetch_groups, res,
-                                         res_hi);
+                                         mn.panel(p + 1, groups), min_factor, group_blocks,
+                                         r0 == 0 ? prefetch_groups : 0, res, res_hi);
           store_tile<T>(res, R, r0, p, bias, N, out);
           store_tile<T>(res_hi, R, r0, p + 1, bias, N, out);
         }
