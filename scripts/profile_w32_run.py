@@ -65,5 +65,6 @@ for run in range(3):
         print(f"  prefill step: {n} tokens of {b} sequences, {s * 1e3:.1f} ms")
     print(
         f"  decode steps: {len(decode)}, {sum(decode):.3f} s in all, median {statistics.median(decode) * 1e3:.2f} ms"
+        f" (first 10 {statistics.median(decode[:10]) * 1e3:.2f}, last 10 {statistics.median(decode[-10:]) * 1e3:.2f})"
     )
     print(f"  outside the runner: {total - sum(s for *_, s in steps):.3f} s")
