@@ -460,7 +460,7 @@ inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* co
   const XRows<R> xr(a, row0, true);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i nibble = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03);
+  const __m256i nibble = _mm256_set1_epi8(0x0F), top_mask = _mm256_set1_epi8(0x30);
   for (int64_t b = 0; b < nb; ++b) {
     _mm_prefetch(reinterpret_cast<const char*>(sc.addr(2 * b + prefetch_groups)), _MM_HINT_T0);
     const uint8_t* c = codes + b * kBlockBytes;
@@ -473,8 +473,10 @@ inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* co
       for (int t = 0; t < 4; ++t) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * t));
         const __m256i low = _mm256_and_si256(h == 0 ? raw : _mm256_srli_epi16(raw, 4), nibble);
-        // the 2 top bits stay inside their byte: masked to 0..3 before the shift up by 4
-        const __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(plane, 2 * t), two), 4);
+        // the top 2 bits (2t, 2t + 1 of each byte) to bits 4, 5: one shift in 16-bit lanes and a mask (what
+        // crosses into the neighbouring byte lands outside bits 4, 5)
+        const __m256i top = _mm256_and_si256(
+            t < 2 ? _mm256_slli_epi16(plane, 4 - 2 * t) : t == 2 ? plane : _mm256_srli_epi16(plane, 2), top_mask);
         const __m256i w = _mm256_or_si256(low, top);
         for (int r = 0; r < R; ++r) {
           const __m256i x = bcast4(xr.q[r] + b * kBlock + 16 * h + 4 * t);

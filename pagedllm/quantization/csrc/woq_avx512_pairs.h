@@ -152,7 +152,7 @@ inline void pair_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* cod
   const XRows<R> xr(a, row0, true);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i nibble = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03);
+  const __m512i nibble = _mm512_set1_epi8(0x0F), top_mask = _mm512_set1_epi8(0x30);
   const bool fetch = prefetch_groups > 0;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* c0 = codes0 + b * kBlockBytes;
@@ -173,9 +173,11 @@ inline void pair_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* cod
       const __m512i plane = pair_load(c0 + 128 + 32 * h, c1 + 128 + 32 * h);
       __m512i isum[R];
       for (int t = 0; t < 4; ++t) {
-        const __m512i low = _mm512_and_si512(h == 0 ? raw[t] : _mm512_srli_epi16(raw[t], 4), nibble);
-        const __m512i top = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(plane, 2 * t), two), 4);
-        const __m512i w = _mm512_or_si512(low, top);
+        // the top 2 bits (2t, 2t + 1 of each byte) to bits 4, 5, as panel_kernel_q6; then one VPTERNLOGD
+        // makes (nibbles & 0x0F) | top
+        const __m512i top = _mm512_and_si512(
+            t < 2 ? _mm512_slli_epi16(plane, 4 - 2 * t) : t == 2 ? plane : _mm512_srli_epi16(plane, 2), top_mask);
+        const __m512i w = _mm512_ternarylogic_epi32(h == 0 ? raw[t] : _mm512_srli_epi16(raw[t], 4), top, nibble, 0xEC);
         for (int r = 0; r < R; ++r) {
           const int8_t* x = xr.q[r] + b * kBlock + 16 * h + 4 * t;
           isum[r] = dot4_bcast(t == 0 ? _mm512_setzero_si512() : isum[r], w, x);
