@@ -244,6 +244,10 @@ def test_bad_inputs_raise_clearly(kernel):
         kernel.matmul(
             torch.randn(2, 64), *avx2.pack(codes, *layer(16, 64, 4, 16, False)[1:], 4), None, 4, 16, 16
         )
+    # derived mins are taken in int32: their factor must be an integer the int32 sums can hold
+    for factor in (0.5, -256.0):
+        with pytest.raises(RuntimeError, match="nonzero integer in \\[-128, 128\\]"):
+            kernel.matmul(torch.randn(2, 64), layout[0], layout[1], torch.tensor([factor]), None, 4, 32, 16)
     c8, s8, m8 = layer(16, 64, 8, 16, False)
     with pytest.raises(RuntimeError, match="gemv_fp32"):  # the float32 alternative: multiples of 32 only
         kernel.gemv_fp32(torch.randn(1, 64), *avx2.pack(c8, s8, m8, 8), None, 8, 16, 16)
