@@ -32,7 +32,16 @@ if [ ! -d "$SRC/llama_cpp_python-$VERSION" ]; then
 fi
 LLAMA="$SRC/llama_cpp_python-$VERSION/vendor/llama.cpp"
 
+# On a CPU with AMX, GGML_NATIVE compiles ggml's AMX matmul, and this release's build of it dies at its first
+# tile instruction (SIGILL in ggml_backend_amx_mul_mat's tilezero: the tile state is never granted) while
+# loading any model; without AMX it runs its AVX-512 VNNI / BF16 kernels. GCC keeps an explicit -mno-amx-*
+# over what -march=native would turn on, whatever their order on the command line.
+NO_AMX=""
+if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+    NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+fi
 cmake -S "$LLAMA" -B "$LLAMA/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
+    -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
 cmake --build "$LLAMA/build" --target llama-server llama-quantize -j "$JOBS"
 

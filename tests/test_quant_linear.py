@@ -458,3 +458,19 @@ def test_without_our_kernels_torchs_kernels_and_the_dequantize_path_serve(monkey
             assert kernel_name(layer) == "torch-packed"
         layer(torch.randn(1, 256))
         assert kernel_name(layer) is None  # fp32 activations: the reference
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_amx_layout_gives_rows_without_unpacking_the_table(bits):
+    """amx.rows reads only the asked rows' subtiles (a tied lm_head's embedding lookup at the amx tier: the
+    whole-table unpack cost ~200 ms a decode step on a 1B model's 49152-row table); pure torch, so tested on
+    every CPU."""
+    gen = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 2**bits, (80, 96), dtype=torch.uint8, generator=gen)
+    scales, mins = torch.rand(80, 3, generator=gen), torch.rand(80, 3, generator=gen)
+    layout = amx.pack_codes(codes, scales, mins, bits)
+    ids = torch.tensor([0, 79, 7, 8, 15, 16, 31, 7, 40])
+    got_codes, got_scales, got_mins = amx.rows(layout, ids, bits)
+    assert torch.equal(got_codes, codes[ids])
+    assert torch.equal(got_scales, amx.unpack_groups(layout[1])[ids])
+    assert torch.equal(got_mins, amx.unpack_groups(layout[2])[ids])

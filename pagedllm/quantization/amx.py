@@ -66,6 +66,22 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return from_tile_order(e_order)
 
 
+def rows(
+    layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor], ids: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """unpack_codes / unpack_groups of output rows `ids` only (an embedding lookup from a tied lm_head: a
+    decode step reads one row's 16-column subtile, not the whole table)."""
+    codes, scales, mins = layout
+    sub, col, at = ids // 16, ids % 16, torch.arange(len(ids)).unsqueeze(1)
+    e = 2 * col.unsqueeze(1) + torch.arange(2)  # [n, 2]: the row's two places in each pair row (k even, odd)
+    if bits == 4:  # e < 16 in the low nibble of byte e, e >= 16 in the high nibble of byte e - 16
+        v = codes[sub][at, :, e % 16] >> (4 * (e >= 16)).unsqueeze(-1).to(torch.uint8) & 0x0F
+    else:
+        v = codes[sub][at, :, e]
+    c = v.transpose(1, 2).reshape(len(ids), -1)  # [n, 2, K/2] -> [n, K/2, 2] -> [n, K]
+    return c.contiguous(), scales[sub, :, col].float(), mins[sub, :, col].float()
+
+
 def unpack_groups(t: torch.Tensor) -> torch.Tensor:
     """pack_codes' scales or mins back to float32 [N, groups]."""
     return t.float().transpose(1, 2).reshape(-1, t.shape[1]).contiguous()

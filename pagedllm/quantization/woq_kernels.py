@@ -94,7 +94,7 @@ class WoqKernel:
 
 
 class AmxKernel(WoqKernel):
-    name, holds_weight = "amx", True
+    name, holds_weight, indexes_rows = "amx", True, True
 
     def __init__(self, ext):
         self.ext = ext
@@ -111,6 +111,9 @@ class AmxKernel(WoqKernel):
     def unpack(self, layer: QuantLinear):
         codes, scales, mins = layer.layout
         return amx.unpack_codes(codes, layer.bits), amx.unpack_groups(scales), amx.unpack_groups(mins)
+
+    def rows(self, layer: QuantLinear, ids: torch.Tensor):
+        return amx.rows(layer.layout, ids, layer.bits)
 
     def matmul(self, layer: QuantLinear, x: torch.Tensor) -> torch.Tensor:
         bias = None if layer.bias is None else layer.bias.to(x.dtype)  # rounded as F.linear's would be
