@@ -361,15 +361,17 @@ def test_gguf_layer_output_equals_dequantized_layer(type_name, rows, backend):
 
 @needs_amx
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
-def test_gguf_scales_and_mins_are_held_in_float16_with_the_same_results(type_name):
+def test_gguf_scales_and_mins_are_held_in_float16_or_derived_with_the_same_results(type_name):
     raw, ref = gguf_blocks(type_name)
     layer = QuantLinear.from_codes(*decode_blocks(type_name, raw, ref.shape), 32)
     layer.pack()
     assert kernel_name(layer) == "amx"
     codes, scales, mins = layer.layout
-    assert scales.dtype == mins.dtype == torch.float16  # GGUF's block scales are float16 values
+    assert scales.dtype == torch.float16  # GGUF's block scales are float16 values
+    derived = type_name in ("Q4_0", "Q8_0")  # symmetric: m = -8 s, -128 s; the layout keeps only the factor
+    assert (mins.dtype, mins.numel()) == (torch.float32, 1) if derived else mins.dtype == torch.float16
     assert torch.equal(layer.dequantize_weight(torch.float32), torch.from_numpy(ref))
-    wide = (codes, scales.float(), mins.float())  # the same values in float32
+    wide = (codes, scales.float(), scales.float() * mins if derived else mins.float())  # the same, float32
     for rows in (1, 3, 20):
         x = activations(rows, 128)
         kernel = amx_ext().gemv if rows <= GEMV_MAX_ROWS else amx_ext().gemm
@@ -472,5 +474,40 @@ def test_amx_layout_gives_rows_without_unpacking_the_table(bits):
     ids = torch.tensor([0, 79, 7, 8, 15, 16, 31, 7, 40])
     got_codes, got_scales, got_mins = amx.rows(layout, ids, bits)
     assert torch.equal(got_codes, codes[ids])
-    assert torch.equal(got_scales, amx.unpack_groups(layout[1])[ids])
-    assert torch.equal(got_mins, amx.unpack_groups(layout[2])[ids])
+    assert torch.equal(got_scales, amx.unpack_scales_mins(layout[1], layout[2])[0][ids])
+    assert torch.equal(got_mins, amx.unpack_scales_mins(layout[1], layout[2])[1][ids])
+
+
+@needs_amx
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K"])
+def test_k_quants_keep_two_level_scales_in_the_amx_layout_with_the_same_results(type_name):
+    """GGUF's K-quant scales and mins as the file factors them (float16 d x int8 codes a super-block): 0.625
+    bits a weight to stream where float32 took 2, the same values, so the same products bit for bit."""
+    from test_gguf_blocks import random_blocks
+
+    raw = random_blocks(type_name, 64, 512, seed=4)
+    cfg = ModelConfig(
+        vocab_size=64, hidden_size=512, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=4,
+        head_dim=128, architecture="llama",
+    )  # fmt: skip
+    layer = gguf_quant_linear("model.layers.0.mlp.up_proj", type_name, raw, (64, 512), cfg)
+    with ops.forced(quantized_linear="torch"):
+        want = layer.dequantize_weight(torch.float32)
+    sb = layer.superblocks
+    layer.pack()
+    assert kernel_name(layer) == "amx"
+    codes, scales, mins = layer.layout
+    assert scales.dtype == mins.dtype == torch.uint8 and scales.shape == (4, 2, 32 + 16 * 8)
+    assert torch.equal(layer.dequantize_weight(torch.float32), want)
+    again = layer.superblocks_now()  # what a merge (QuantLinear.concat) packs again
+    assert all(torch.equal(getattr(again, f), getattr(sb, f)) for f in ("d", "scale_codes", "dmin", "min_codes"))
+    ids = torch.tensor([0, 63, 17, 8])
+    assert torch.equal(layer.rows(ids), want[ids])
+    s, m = amx.unpack_scales_mins(scales, mins)
+    wide = (codes, *(t.view(4, 16, -1).transpose(1, 2).contiguous() for t in (s, m)))  # float32 [N/16, G, 16]
+    for rows in (1, 3, 20):
+        x = activations(rows, 512)
+        kernel = amx_ext().gemv if rows <= GEMV_MAX_ROWS else amx_ext().gemm
+        args = (layer.bits, 32, 64)
+        assert torch.equal(kernel(x, *layer.layout, None, *args), kernel(x, *wide, None, *args))
+        assert torch.equal(layer(x), kernel(x, *wide, None, *args))

@@ -1,17 +1,20 @@
-"""The AMX weight-only matmul (csrc/woq_amx.cpp): bf16 activations times 4- or 8-bit codes with a float32
-scale and min per group, dequantized once per call in 1 KB tiles instead of once per row (`gemm`); for
+"""The AMX weight-only matmul (csrc/woq_amx.cpp): bf16 activations times 4- or 8-bit codes with a scale
+and min per group (float32 values, kept in the smallest exact form: pack_codes), dequantized once per call in 1 KB tiles instead of once per row (`gemm`); for
 1-4 rows, AVX512-BF16 dot products on the codes themselves, with the scale and min applied per group
 (`gemv`, on the same layout).
 
 This module is the layout's arithmetic; the compiled kernel comes from the op table (ops.py: None without a
 compiler, on CPUs without AMX-BF16 or when the OS refuses the tile state) and runs in woq_kernels.py.
 The kernel compiles without floating-point contraction: w = s*q + m rounds twice in float32, as
-QuantLinear.dequantize_weight() does.
+QuantLinear.dequantize_weight() does (one FMA only where s*q is exact, so the same rounding).
 """
 
 from __future__ import annotations
 
 import torch
+
+from pagedllm.quantization.gguf_blocks import SuperBlocks
+from pagedllm.quantization.scale_forms import exact_in_float16, factors, min_factor_of
 
 
 def supports(bits: int, in_features: int, out_features: int, group_size: int | None) -> bool:
@@ -33,31 +36,51 @@ def from_tile_order(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack_codes(
-    codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, bits: int
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    bits: int,
+    superblocks: SuperBlocks | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """codes uint8 [N, K] and scales / mins float32 [N, groups] -> the kernel's layout (csrc/woq_amx.h):
-    each 16 output columns' codes in the AMX B-tile order e = 2n + k % 2, scales / mins [N/16, groups, 16]
-    in float16 when that holds them exactly (a decode step streams 0.125 B a weight less), else float32."""
+    each 16 output columns' codes in the AMX B-tile order e = 2n + k % 2, and the scales and mins in the
+    smallest form that holds them exactly (scale_forms.py; a single-stream decode streams them with the codes):
+    mins derived from float16 scales (GGUF's Q4_0, Q8_0: only the factor c, a one-element float32 tensor;
+    0.5 bits a weight), two-level where `superblocks` factor them (GGUF's K-quants: uint8
+    [N/16, groups / sb, 32 + 16 sb], per super-block the 16 columns' float16 d, then sb groups x 16 int8 codes;
+    0.625 bits a weight for both), float16 [N/16, groups, 16] each, else float32 (2 bits a weight)."""
     n, k = codes.shape
     e_order = tile_order(codes)
     if bits == 4:
         packed = e_order[..., :16] | (e_order[..., 16:] << 4)
     else:
         packed = e_order
+    packed = packed.to(torch.uint8).contiguous()
     groups = scales.shape[1]
 
     def by_subtile(t: torch.Tensor) -> torch.Tensor:
-        return t.float().view(n // 16, 16, groups).transpose(1, 2).contiguous()
+        return t.float().view(n // 16, 16, -1).transpose(1, 2).contiguous()
 
     s, m = by_subtile(scales), by_subtile(mins)
+    factor = min_factor_of(scales, mins)
+    if factor is not None and exact_in_float16(s):
+        return packed, s.half(), torch.tensor([float(factor)])
+    if superblocks is not None and factors(superblocks, scales, mins):
+        sb = superblocks.groups
+
+        def two_level(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+            d_bytes = by_subtile(d).half().view(torch.uint8)  # [N/16, S, 32]
+            q_bytes = by_subtile(q).to(torch.int8).view(torch.uint8).reshape(n // 16, groups // sb, sb * 16)
+            return torch.cat((d_bytes, q_bytes), dim=2).contiguous()
+
+        return (
+            packed,
+            two_level(superblocks.d, superblocks.scale_codes),
+            two_level(superblocks.dmin, superblocks.min_codes),
+        )
     if exact_in_float16(s) and exact_in_float16(m):  # GGUF's blocks: half the bytes, the same values
         s, m = s.half(), m.half()
-    return packed.to(torch.uint8).contiguous(), s, m
-
-
-def exact_in_float16(t: torch.Tensor) -> bool:
-    """Whether float16 holds every value of t exactly (GGUF stores its block scales and mins so)."""
-    return bool(torch.equal(t.half().float(), t))
+    return packed, s, m
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -79,9 +102,44 @@ def rows(
     else:
         v = codes[sub][at, :, e]
     c = v.transpose(1, 2).reshape(len(ids), -1)  # [n, 2, K/2] -> [n, K/2, 2] -> [n, K]
-    return c.contiguous(), scales[sub, :, col].float(), mins[sub, :, col].float()
+    s = _subtile_groups(scales[sub])[at[:, 0], :, col]
+    m = s * float(mins) if mins.numel() == 1 else _subtile_groups(mins[sub])[at[:, 0], :, col]
+    return c.contiguous(), s, m
 
 
-def unpack_groups(t: torch.Tensor) -> torch.Tensor:
-    """pack_codes' scales or mins back to float32 [N, groups]."""
-    return t.float().transpose(1, 2).reshape(-1, t.shape[1]).contiguous()
+def _subtile_groups(t: torch.Tensor) -> torch.Tensor:
+    """Flat or two-level scales / mins of some subtiles [..] -> float32 [.., groups, 16]: d x code for the
+    two-level form, as the kernel computes it (exact)."""
+    if t.dtype != torch.uint8:
+        return t.float()
+    d = t[..., :32].contiguous().view(torch.float16).float()  # [.., S, 16]
+    q = t[..., 32:].contiguous().view(torch.int8).float()  # [.., S, sb * 16]
+    sb = q.shape[-1] // 16
+    return (d.unsqueeze(-2) * q.unflatten(-1, (sb, 16))).flatten(-3, -2)
+
+
+def unpack_scales_mins(scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack_codes' scales and mins back to float32 [N, groups] each (derived mins: c x the scales)."""
+
+    def columns(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2).reshape(-1, t.shape[1]).contiguous()
+
+    s = _subtile_groups(scales)
+    m = s * float(mins) if mins.numel() == 1 else _subtile_groups(mins)
+    return columns(s), columns(m)
+
+
+def superblocks(layout: tuple[torch.Tensor, ...]) -> SuperBlocks | None:
+    """The SuperBlocks a two-level layout was packed from, or None for the other forms."""
+    _, s, m = layout
+    if s.dtype != torch.uint8:
+        return None
+    sb = (s.shape[2] - 32) // 16
+
+    def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d = t[..., :32].contiguous().view(torch.float16).float()  # [N/16, S, 16]
+        q = t[..., 32:].contiguous().view(torch.int8).reshape(t.shape[0], -1, 16)  # [N/16, S * sb, 16]
+        return d.transpose(1, 2).reshape(-1, d.shape[1]), q.transpose(1, 2).reshape(-1, q.shape[1])
+
+    (d, sq), (dmin, mq) = split(s), split(m)
+    return SuperBlocks(sb, d.contiguous(), sq.contiguous(), dmin.contiguous(), mq.contiguous())

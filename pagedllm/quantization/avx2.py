@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 
 from pagedllm import ops
-from pagedllm.quantization.amx import exact_in_float16
 from pagedllm.quantization.gguf_blocks import SuperBlocks
+from pagedllm.quantization.scale_forms import exact_in_float16, factors, min_factor_of
 
 SOURCE = Path(__file__).parent / "csrc" / "woq_avx2.cpp"
 COLS = 8  # output columns a panel (N is padded to a multiple)
@@ -94,7 +94,7 @@ def pack(
     if k % BLOCK or scales.shape != mins.shape or scales.shape[0] != n or k % scales.shape[1]:
         raise ValueError(f"avx2.pack: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} do not fit")
     panels = -(-n // COLS)
-    factor = _min_factor(scales, mins)
+    factor = min_factor_of(scales, mins)
     if bits == 8 and scales.shape[1] * HALF_GROUP == k and int(codes.max()) < 64 and factor == -32:
         bits = 6  # GGUF Q6_K: its 6-bit codes in 6 bits (csrc/woq_avx2.h's panel_kernel_q6)
     c = torch.zeros(panels * COLS, k, dtype=torch.uint8)
@@ -112,7 +112,7 @@ def pack(
         c = c ^ 0x80  # q - 128 as int8's bit pattern
     c = c.reshape(panels, k // BLOCK, bits * 32).contiguous()
     derived = None if factor is None else torch.tensor([float(factor)])
-    if superblocks is not None and _factors(superblocks, scales, mins, with_mins=derived is None):  # smallest
+    if superblocks is not None and factors(superblocks, scales, mins, with_mins=derived is None):  # smallest
         sb = superblocks.groups
         s = _two_level(superblocks.d, superblocks.scale_codes, sb, panels)
         if derived is not None:
@@ -122,21 +122,6 @@ def pack(
     if exact_in_float16(s) and (derived is not None or exact_in_float16(m)):
         s, m = s.half(), m.half()
     return c, s, derived if derived is not None else m
-
-
-MIN_FACTORS = (-8, -16, -32, -128)  # GGUF's symmetric types: Q4_0, Q5_0, Q6_K, Q8_0 (m = -offset x d)
-
-
-def _min_factor(scales: torch.Tensor, mins: torch.Tensor) -> int | None:
-    """The power of two c with mins == c x scales exactly (then the layout keeps c, not the mins), or None."""
-    if not scales.numel():
-        return None
-    at = int(scales.abs().argmax())  # a nonzero scale, if any (an all-zero row block has 0 for both)
-    if float(scales.flatten()[at]) == 0:
-        return None
-    ratio = float(mins.flatten()[at]) / float(scales.flatten()[at])
-    c = next((c for c in MIN_FACTORS if c == ratio), None)
-    return c if c is not None and torch.equal(mins, c * scales) else None
 
 
 def min_factor(layout: tuple[torch.Tensor, ...]) -> float | None:
@@ -156,23 +141,6 @@ def _mins(layout: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return (c * s.float()).to(s.dtype)
     d = (s[..., :16].contiguous().view(torch.float16).float() * c).half()
     return torch.cat((d.view(torch.uint8), s[..., 16:]), dim=-1)
-
-
-def _factors(sb: SuperBlocks, scales: torch.Tensor, mins: torch.Tensor, with_mins: bool = True) -> bool:
-    """Whether the super-blocks give exactly these scales and mins (and fit the kernel: a power-of-two count
-    of groups a super-block, float16 super-scales as GGUF stores them)."""
-    g = sb.groups
-    if g < 1 or g & (g - 1) or scales.shape[1] % g or sb.scale_codes.shape != scales.shape:
-        return False
-    if not exact_in_float16(sb.d.float()) or (with_mins and not exact_in_float16(sb.dmin.float())):
-        return False
-
-    n = scales.shape[0]
-
-    def equal(d: torch.Tensor, q: torch.Tensor, want: torch.Tensor) -> bool:
-        return torch.equal(d.float().unsqueeze(-1) * q.view(n, -1, g), want.float().view(n, -1, g))
-
-    return equal(sb.d, sb.scale_codes, scales) and (not with_mins or equal(sb.dmin, sb.min_codes, mins))
 
 
 def _two_level(d: torch.Tensor, q: torch.Tensor, sb: int, panels: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ _PACKAGE = Path(__file__).resolve().parent
 # What decides a layout: the block decoders, the packers and the kernels' choice. Not the C++ kernels: they
 # only read what these write (a kernel that reads a new layout comes with its packer's change, or bumps
 # FORMAT), and a kernel edit that forced a repack cost every 1B model 95-170 s on its next load.
-_SOURCES = ("gguf_blocks.py", "gguf_native.py", "avx2.py", "amx.py", "pack.py", "woq_kernels.py", "linear.py")
+_SOURCES = ("gguf_blocks.py", "gguf_native.py", "avx2.py", "amx.py", "scale_forms.py", "pack.py", "woq_kernels.py", "linear.py")
 
 
 def cache_root() -> Path | None:

@@ -106,11 +106,14 @@ class AmxKernel(WoqKernel):
 
     def pack(self, layer: QuantLinear) -> Layout:
         codes, (scales, mins) = layer.codes(), layer.scales_and_mins()
-        return amx.pack_codes(codes, scales, mins, layer.bits)
+        return amx.pack_codes(codes, scales, mins, layer.bits, layer.superblocks)
 
     def unpack(self, layer: QuantLinear):
         codes, scales, mins = layer.layout
-        return amx.unpack_codes(codes, layer.bits), amx.unpack_groups(scales), amx.unpack_groups(mins)
+        return (amx.unpack_codes(codes, layer.bits), *amx.unpack_scales_mins(scales, mins))
+
+    def superblocks(self, layer: QuantLinear):
+        return amx.superblocks(layer.layout)
 
     def rows(self, layer: QuantLinear, ids: torch.Tensor):
         return amx.rows(layer.layout, ids, layer.bits)

@@ -39,12 +39,24 @@ static void check_args(const at::Tensor& x, const at::Tensor& codes, const at::T
   const int64_t K = x.size(1);
   TORCH_CHECK(K % kKStep == 0 && group_size % kKStep == 0 && K % group_size == 0 && N % kTile == 0,
               "woq_amx: needs K and the group size multiples of 32, N of 16");
-  TORCH_CHECK(codes.numel() == N * K * bits / 8 && scales.numel() == N * (K / group_size) &&
-                  mins.numel() == scales.numel(),
-              "woq_amx: codes / scales / mins do not match the shape");
-  TORCH_CHECK(scales.scalar_type() == mins.scalar_type() &&
+  const int64_t groups = K / group_size;
+  TORCH_CHECK(codes.numel() == N * K * bits / 8, "woq_amx: the codes do not match the shape");
+  if (scales.scalar_type() == at::kByte) {  // two-level: [N/16, groups / sb, 32 + 16 sb], sb a power of two
+    const int64_t sb = scales.dim() == 3 ? (scales.size(2) - 32) / kTile : 0;
+    TORCH_CHECK(sb > 0 && (sb & (sb - 1)) == 0 && groups % sb == 0 && scales.size(0) == N / kTile &&
+                    scales.size(1) == groups / sb && scales.size(2) == 32 + kTile * sb &&
+                    mins.sizes() == scales.sizes() && mins.scalar_type() == at::kByte && scales.is_contiguous() &&
+                    mins.is_contiguous(),
+                "woq_amx: two-level scales / mins do not match the shape");
+    return;
+  }
+  TORCH_CHECK(scales.numel() == N * groups && scales.is_contiguous() &&
                   (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
-              "woq_amx: scales and mins must both be float32 or both float16");
+              "woq_amx: scales must be float32 or float16 [N/16, groups, 16]");
+  const bool derived = mins.numel() == 1 && mins.scalar_type() == at::kFloat && scales.scalar_type() == at::kHalf;
+  TORCH_CHECK(derived || (mins.numel() == scales.numel() && mins.scalar_type() == scales.scalar_type() &&
+                          mins.is_contiguous()),
+              "woq_amx: mins must match the scales, or be one float32 factor beside float16 scales");
 }
 
 // x [M, K] bf16; bias float32 [N] or None. Returns bf16 [M, N].

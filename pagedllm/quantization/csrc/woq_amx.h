@@ -19,7 +19,8 @@
 //   codes   uint8 [N/16, K/2, 16] (4-bit) or [N/16, K/2, 32] (8-bit): for output columns n0..n0+15 and the
 //           input pair (2p, 2p+1), the 32 codes in TDPBF16PS's B-tile order e = 2n + (k % 2); 4-bit codes
 //           hold e in the low nibble of byte e and e + 16 in the high nibble of byte e (e < 16).
-//   scales, mins  float32 [N/16, groups, 16], or float16 where that holds them exactly (amx.pack_codes)
+//   scales, mins  float32 [N/16, groups, 16], or float16 where that holds them exactly, or two-level (GGUF's
+//           K-quants), or mins derived from the scales (GGUF's symmetric types): FlatGroups and its kin below
 #pragma once
 
 #include <ATen/ATen.h>
@@ -71,10 +72,69 @@ inline void store_bf16(at::BFloat16* out, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
 }
 
-// [s0..s15] -> ([s0,s0,s1,s1,..,s7,s7], [s8,s8,..,s15,s15]): one value per e = 2n + k%2
+// The layout's scales and mins, in the smallest form that holds them exactly (amx.pack_codes chooses):
+//   FlatGroups<S>     S (float32, or float16 where that holds them: GGUF's Q4_0, Q8_0) [N/16, groups, 16]
+//   TwoLevelGroups    GGUF's K-quants (Q4_K): uint8 [N/16, groups / sb, 32 + 16 sb], per super-block the 16
+//                     columns' float16 d, then sb groups x 16 int8 codes; a group's value is d x code (exact
+//                     in float32: 11 + 8 bits), 0.625 bits a weight to stream where float32 took 2
+//   DerivedMins       mins = c x scales, c a power of two (GGUF's symmetric types: Q4_0 -8, Q8_0 -128): only
+//                     c is kept (a one-element float32 tensor), half the bytes a float16 layout streams
+// at(ns, g): 16 columns' values of n-subtile ns, group g, as float32 (a derived min from that group's scale);
+// line(ns, g): an address in that group's bytes, to prefetch; kSignificantBits: at most how many a value has.
 template <typename S>
-inline void pair_up(const S* v, __m512& lo, __m512& hi) {
-  const __m512 x = load16(v);
+struct FlatGroups {
+  const S* p;
+  int64_t groups;
+  static constexpr int kSignificantBits = std::is_same_v<S, at::Half> ? 11 : 24;
+  const S* line(int64_t ns, int64_t g) const { return p + (ns * groups + g) * kTile; }
+  __m512 at(int64_t ns, int64_t g) const { return load16(line(ns, g)); }
+  __m512 at(int64_t ns, int64_t g, __m512) const { return at(ns, g); }
+};
+
+struct TwoLevelGroups {
+  const uint8_t* p;
+  int64_t supers, shift, row_bytes;  // super-blocks a subtile; log2 of groups a super-block; 32 + 16 sb
+  static constexpr int kSignificantBits = 11 + 7;  // float16 d x an int8 code
+  const uint8_t* line(int64_t ns, int64_t g) const { return p + (ns * supers + (g >> shift)) * row_bytes; }
+  __m512 at(int64_t ns, int64_t g) const {
+    const uint8_t* s = line(ns, g);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+    const int64_t j = g & ((int64_t(1) << shift) - 1);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32 + j * kTile));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+  }
+  __m512 at(int64_t ns, int64_t g, __m512) const { return at(ns, g); }
+};
+
+struct DerivedMins {
+  float c;
+  const void* line(int64_t, int64_t) const { return nullptr; }
+  __m512 at(int64_t, int64_t, __m512 scale) const { return _mm512_mul_ps(_mm512_set1_ps(c), scale); }
+};
+
+inline void prefetch_line(const void* p) {
+  if (p != nullptr) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
+
+// Calls fn(scales, mins) with the forms these tensors hold (woq_amx.cpp's check_args checks their shapes).
+template <typename Fn>
+inline void with_groups(const at::Tensor& scales, const at::Tensor& mins, int64_t groups, Fn&& fn) {
+  if (scales.scalar_type() == at::kByte) {
+    const int64_t row_bytes = scales.size(2), sb = (row_bytes - 32) / kTile;
+    const TwoLevelGroups sc{scales.data_ptr<uint8_t>(), groups / sb, __builtin_ctzll(sb), row_bytes};
+    TORCH_CHECK(mins.scalar_type() == at::kByte, "woq_amx: two-level scales need two-level mins");
+    return fn(sc, TwoLevelGroups{mins.data_ptr<uint8_t>(), groups / sb, __builtin_ctzll(sb), row_bytes});
+  }
+  if (scales.scalar_type() == at::kHalf) {
+    const FlatGroups<at::Half> sc{scales.data_ptr<at::Half>(), groups};
+    if (mins.numel() == 1) return fn(sc, DerivedMins{mins.data_ptr<float>()[0]});
+    return fn(sc, FlatGroups<at::Half>{mins.data_ptr<at::Half>(), groups});
+  }
+  return fn(FlatGroups<float>{scales.data_ptr<float>(), groups}, FlatGroups<float>{mins.data_ptr<float>(), groups});
+}
+
+// [s0..s15] -> ([s0,s0,s1,s1,..,s7,s7], [s8,s8,..,s15,s15]): one value per e = 2n + k%2
+inline void pair_up(__m512 x, __m512& lo, __m512& hi) {
   const __m512i idx_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i idx_hi = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
   lo = _mm512_permutexvar_ps(idx_lo, x);
@@ -82,11 +142,12 @@ inline void pair_up(const S* v, __m512& lo, __m512& hi) {
 }
 
 // One B tile: 16 pair rows x 16 columns of bf16 pairs, from the codes of one K-step of one n-subtile.
-// With float16 scales (GGUF's blocks) q * s is exact in float32 (at most 8 + 11 significant bits), so one
-// FMA rounds q * s + m exactly as the multiply and the add do: 9 instructions per 32 4-bit weights instead of
-// 13 with the 4-bit codes widened once and split into nibbles as 32-bit lanes.
-template <int BITS, typename S>
-inline void dequantize_tile(const uint8_t* codes, const S* scale, const S* min, __m512bh* tile) {
+// With float16 scales (GGUF's blocks) q * s is exact in float32 (at most 8 + 11 significant bits), and so
+// with two-level ones and 4-bit codes (4 + 11 + 6), so one FMA rounds q * s + m exactly as the multiply and
+// the add do: 9 instructions per 32 4-bit weights instead of 13 with the 4-bit codes widened once and split
+// into nibbles as 32-bit lanes.
+template <int BITS, bool EXACT_PRODUCT>
+inline void dequantize_tile(const uint8_t* codes, __m512 scale, __m512 min, __m512bh* tile) {
   __m512 s_lo, s_hi, m_lo, m_hi;
   pair_up(scale, s_lo, s_hi);
   pair_up(min, m_lo, m_hi);
@@ -106,7 +167,7 @@ inline void dequantize_tile(const uint8_t* codes, const S* scale, const S* min, 
           _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p * 32 + 16))));
     }
     __m512 w0, w1;
-    if constexpr (std::is_same_v<S, at::Half>) {
+    if constexpr (EXACT_PRODUCT) {
       w0 = _mm512_fmadd_ps(f0, s_lo, m_lo);
       w1 = _mm512_fmadd_ps(f1, s_hi, m_hi);
     } else {  // float32 scales: q * s rounds, then + m rounds again
@@ -151,9 +212,10 @@ inline __m512bh* strip_buffer(size_t n) {
 
 // x [M, K] contiguous; tail: x's last M % 16 rows zero-padded to 16 (a tile reads 16 rows), undefined
 // when M is a multiple of 16.
-template <int BITS, typename S>
-void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& codes, const at::Tensor& scales,
-              const at::Tensor& mins, const at::Tensor& bias, int64_t group_size, at::Tensor& out) {
+template <int BITS, typename Sc, typename Mn>
+void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& codes, const Sc& sc, const Mn& mn,
+              const at::Tensor& bias, int64_t group_size, at::Tensor& out) {
+  constexpr bool kExactProduct = Sc::kSignificantBits + BITS <= 24;  // q * s exact in float32: one FMA
   const int64_t M = out.size(0), N = out.size(1), K = x.size(1);
   const int64_t Mp = (M + kTile - 1) / kTile * kTile;
   const int64_t ksteps = K / kKStep, groups = K / group_size, nsub_total = N / kTile;
@@ -162,8 +224,6 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& cod
   const auto* tp = tail.defined() ? reinterpret_cast<const uint8_t*>(tail.data_ptr<at::BFloat16>()) : nullptr;
   auto rows_at = [&](int64_t r0) { return r0 + kTile <= M ? xp + r0 * K * 2 : tp; };  // 16 rows from r0
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const S* sp = scales.data_ptr<S>();
-  const S* mp = mins.data_ptr<S>();
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t nblocks = (nsub_total + 1) / 2;  // blocks of 32 output columns (the last may have 16)
@@ -183,9 +243,10 @@ void woq_gemm(const at::Tensor& x, const at::Tensor& tail, const at::Tensor& cod
     // codes, scales and mins come from L3 / DRAM: ask for them ahead (as the gemv kernel does)
     for (int64_t line = 0; line < kTile * code_row_bytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(c + kAmxPrefetchBytes + line), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(sp + (ns * groups + g + kAmxPrefetchGroups) * kTile), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(mp + (ns * groups + g + kAmxPrefetchGroups) * kTile), _MM_HINT_T0);
-    dequantize_tile<BITS, S>(c, sp + (ns * groups + g) * kTile, mp + (ns * groups + g) * kTile, dst);
+    prefetch_line(sc.line(ns, g + kAmxPrefetchGroups));  // past the last group: the next subtile's first
+    prefetch_line(mn.line(ns, g + kAmxPrefetchGroups));
+    const __m512 s = sc.at(ns, g);
+    dequantize_tile<BITS, kExactProduct>(c, s, mn.at(ns, g, s), dst);
   };
   // ... into its place among a block's tiles (k-step by k-step, two n-subtiles each)
   auto dequantize_subtile = [&](__m512bh* tiles, int64_t ns, int64_t ks) {
@@ -347,15 +408,14 @@ inline at::Tensor gemm_tensor(const at::Tensor& x, const at::Tensor& codes, cons
     tail = at::zeros({kTile, K}, x.options());
     std::copy_n(xa.data_ptr<at::BFloat16>() + (M - rest) * K, rest * K, tail.data_ptr<at::BFloat16>());
   }
-  const bool half = scales.scalar_type() == at::kHalf;
-  if (bits == 4 && half)
-    woq_gemm<4, at::Half>(xa, tail, codes, scales, mins, bias, group_size, out);
-  else if (bits == 4)
-    woq_gemm<4, float>(xa, tail, codes, scales, mins, bias, group_size, out);
-  else if (half)
-    woq_gemm<8, at::Half>(xa, tail, codes, scales, mins, bias, group_size, out);
-  else
-    woq_gemm<8, float>(xa, tail, codes, scales, mins, bias, group_size, out);
+  with_groups(scales, mins, K / group_size, [&](const auto& sc, const auto& mn) {
+    using Sc = std::decay_t<decltype(sc)>;
+    using Mn = std::decay_t<decltype(mn)>;
+    if (bits == 4)
+      woq_gemm<4, Sc, Mn>(xa, tail, codes, sc, mn, bias, group_size, out);
+    else
+      woq_gemm<8, Sc, Mn>(xa, tail, codes, sc, mn, bias, group_size, out);
+  });
   return out;
 }
 

@@ -57,8 +57,8 @@ inline __m512i decode8_row(const uint8_t* codes) {
 // (2 threads; 4 KB / 16 groups the same, 8 KB / 32 slower).
 constexpr int64_t kPrefetchCodeBytes = 2048, kPrefetchGroups = 8;
 
-template <int BITS, int M, typename S>
-void gemv_subtiles(const at::BFloat16* x, int64_t K, const uint8_t* codes, const S* scales, const S* mins,
+template <int BITS, int M, typename Sc, typename Mn>
+void gemv_subtiles(const at::BFloat16* x, int64_t K, const uint8_t* codes, const Sc& scales, const Mn& mins,
                    const float* bias, int64_t group_size, int64_t N, at::BFloat16* out, int64_t ns_begin,
                    int64_t ns_end) {
   const int64_t groups = K / group_size, pairs_per_group = group_size / 2;
@@ -84,9 +84,8 @@ void gemv_subtiles(const at::BFloat16* x, int64_t K, const uint8_t* codes, const
       for (int m = 0; m < M; ++m)
         for (int j = 0; j < 4; ++j) d[m][j] = _mm512_setzero_ps();
       const int64_t p0 = g * pairs_per_group;
-      const int64_t sg = (ns * groups + g) * kTile;
-      _mm_prefetch(reinterpret_cast<const char*>(scales + sg + kPrefetchGroups * kTile), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(mins + sg + kPrefetchGroups * kTile), _MM_HINT_T0);
+      prefetch_line(scales.line(ns, g + kPrefetchGroups));  // past the last group: the next subtile's first
+      prefetch_line(mins.line(ns, g + kPrefetchGroups));
       for (int64_t p = p0; p < p0 + pairs_per_group; p += 4) {  // pairs_per_group is a multiple of 16
         // one 64-byte line of codes a step for 4-bit (4 pair rows x 16 bytes), two for 8-bit
         _mm_prefetch(reinterpret_cast<const char*>(c + p * code_row_bytes + kPrefetchCodeBytes), _MM_HINT_T0);
@@ -106,8 +105,8 @@ void gemv_subtiles(const at::BFloat16* x, int64_t K, const uint8_t* codes, const
                                        reinterpret_cast<__m512bh>(w[j]));
         }
       }
-      const __m512 s = load16(scales + sg);
-      const __m512 mn = load16(mins + sg);
+      const __m512 s = scales.at(ns, g);
+      const __m512 mn = mins.at(ns, g, s);
       for (int m = 0; m < M; ++m) {
         const float xs = xsum[m * groups + g];
         const __m512 dm = _mm512_add_ps(_mm512_add_ps(d[m][0], d[m][1]), _mm512_add_ps(d[m][2], d[m][3]));
@@ -123,13 +122,13 @@ void gemv_subtiles(const at::BFloat16* x, int64_t K, const uint8_t* codes, const
 }
 
 // out[M, N] (row stride N) = x[M, K] (row stride K) @ W^T for output subtiles [ns_begin, ns_end), M 1..4.
-template <typename S>
-void gemv(int64_t M, int64_t bits, const at::BFloat16* x, int64_t K, const uint8_t* codes, const S* scales,
-          const S* mins, const float* bias, int64_t group_size, int64_t N, at::BFloat16* out, int64_t ns_begin,
+template <typename Sc, typename Mn>
+void gemv(int64_t M, int64_t bits, const at::BFloat16* x, int64_t K, const uint8_t* codes, const Sc& scales,
+          const Mn& mins, const float* bias, int64_t group_size, int64_t N, at::BFloat16* out, int64_t ns_begin,
           int64_t ns_end) {
 #define WOQ_GEMV_CASE(B, R) \
   if (bits == B && M == R) \
-    return gemv_subtiles<B, R, S>(x, K, codes, scales, mins, bias, group_size, N, out, ns_begin, ns_end);
+    return gemv_subtiles<B, R, Sc, Mn>(x, K, codes, scales, mins, bias, group_size, N, out, ns_begin, ns_end);
   WOQ_GEMV_CASE(4, 1) WOQ_GEMV_CASE(4, 2) WOQ_GEMV_CASE(4, 3) WOQ_GEMV_CASE(4, 4)
   WOQ_GEMV_CASE(8, 1) WOQ_GEMV_CASE(8, 2) WOQ_GEMV_CASE(8, 3) WOQ_GEMV_CASE(8, 4)
 #undef WOQ_GEMV_CASE
@@ -144,15 +143,11 @@ inline void gemv_into(int64_t M, int64_t bits, const at::BFloat16* x, int64_t K,
   // a task of at least ~16 KB of codes before a second thread is woken
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(K * 16 * bits / 8, 1));
   const uint8_t* c = codes.data_ptr<uint8_t>();
-  auto run = [&](const auto* sc, const auto* mn) {
+  with_groups(scales, mins, K / group_size, [&](const auto& sc, const auto& mn) {
     at::parallel_for(0, N / kTile, grain, [&](int64_t begin, int64_t end) {
       gemv(M, bits, x, K, c, sc, mn, bias, group_size, N, out, begin, end);
     });
-  };
-  if (scales.scalar_type() == at::kHalf)
-    run(scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>());
-  else
-    run(scales.data_ptr<float>(), mins.data_ptr<float>());
+  });
 }
 
 // x [M, K] bf16 (M 1..4) times the layer in the AMX layout; bias float32 [N] or undefined. The buffers'
