@@ -30,7 +30,7 @@ _TIER_FLAGS: dict[str, tuple[str, ...]] = {
     "avx2": ("avx2", "fma", "f16c"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
     "avx512_bf16": ("avx512_bf16", "avx512_vnni"),  # every AVX512-BF16 CPU has VNNI too
-    "amx": ("amx_tile", "amx_bf16", "avx512vbmi"),  # every AMX CPU has VBMI (the 1-4 row kernel's VPERMB)
+    "amx": ("amx_tile", "amx_bf16"),
 }
 # the compiler flags a kernel of each tier is built with (never -march=native: a cache shared by two
 # machines, or a capped run, must not get instructions the tier does not have)
@@ -39,7 +39,7 @@ _TIER_CFLAGS: dict[str, tuple[str, ...]] = {
     "avx2": ("-mavx2", "-mfma", "-mf16c"),
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
     "avx512_bf16": ("-mavx512bf16", "-mavx512vnni"),
-    "amx": ("-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512vbmi"),
+    "amx": ("-mamx-tile", "-mamx-bf16", "-mamx-int8"),
 }
 
 

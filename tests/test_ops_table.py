@@ -22,7 +22,6 @@ AMX_FLAGS = AVX2_FLAGS | {
     "avx512_bf16",
     "amx_tile",
     "amx_bf16",
-    "avx512vbmi",
 }
 HIGHER_BACKENDS = {"amx", "onednn-prepacked", "fused-amx"}
 

@@ -16,7 +16,7 @@ from pagedllm.errors import InputError
 AVX2 = frozenset({"avx2", "fma", "f16c"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 AVX512_BF16 = AVX512 | {"avx512_bf16", "avx512_vnni"}
-AMX = AVX512_BF16 | {"amx_tile", "amx_bf16", "avx512vbmi"}
+AMX = AVX512_BF16 | {"amx_tile", "amx_bf16"}
 FLAGS_OF = {"avx2": AVX2, "avx512": AVX512, "avx512_bf16": AVX512_BF16, "amx": AMX}
 COMMON = frozenset({"fpu", "sse", "sse2", "ssse3", "sse4_1", "sse4_2", "avx", "popcnt"})
 
