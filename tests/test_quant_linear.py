@@ -359,6 +359,17 @@ def test_gguf_layer_output_equals_dequantized_layer(type_name, rows, backend):
         assert_close_for_path(layer, layer(x), x, torch.from_numpy(ref))
 
 
+def assert_same_products(layer: QuantLinear, wide: tuple[torch.Tensor, ...]) -> None:
+    """The AMX kernels (gemv at 1 and 3 rows, gemm at 20) give the same output bit for bit on the layer's layout
+    and on `wide`: its codes with the scales and mins as float32 [N/16, groups, 16]."""
+    for rows in (1, 3, 20):
+        x = activations(rows, layer.in_features)
+        kernel = amx_ext().gemv if rows <= GEMV_MAX_ROWS else amx_ext().gemm
+        args = (layer.bits, 32, layer.out_features)
+        assert torch.equal(kernel(x, *layer.layout, None, *args), kernel(x, *wide, None, *args))
+        assert torch.equal(layer(x), kernel(x, *wide, None, *args))
+
+
 @needs_amx
 @pytest.mark.parametrize("type_name", GGUF_TYPES)
 def test_gguf_scales_and_mins_are_held_in_float16_or_derived_with_the_same_results(type_name):
@@ -372,12 +383,7 @@ def test_gguf_scales_and_mins_are_held_in_float16_or_derived_with_the_same_resul
     assert (mins.dtype, mins.numel()) == (torch.float32, 1) if derived else mins.dtype == torch.float16
     assert torch.equal(layer.dequantize_weight(torch.float32), torch.from_numpy(ref))
     wide = (codes, scales.float(), scales.float() * mins if derived else mins.float())  # the same, float32
-    for rows in (1, 3, 20):
-        x = activations(rows, 128)
-        kernel = amx_ext().gemv if rows <= GEMV_MAX_ROWS else amx_ext().gemm
-        args = (layer.bits, 32, 64)
-        assert torch.equal(kernel(x, *layer.layout, None, *args), kernel(x, *wide, None, *args))
-        assert torch.equal(layer(x), kernel(x, *wide, None, *args))
+    assert_same_products(layer, wide)
     rtn = QuantLinear.from_quantized(rtn_quantize_weight(weight(64, 128), 4, 32))
     rtn.pack()
     assert kernel_name(rtn) == "amx"
@@ -505,9 +511,4 @@ def test_k_quants_keep_two_level_scales_in_the_amx_layout_with_the_same_results(
     assert torch.equal(layer.rows(ids), want[ids])
     s, m = amx.unpack_scales_mins(scales, mins)
     wide = (codes, *(t.view(4, 16, -1).transpose(1, 2).contiguous() for t in (s, m)))  # float32 [N/16, G, 16]
-    for rows in (1, 3, 20):
-        x = activations(rows, 512)
-        kernel = amx_ext().gemv if rows <= GEMV_MAX_ROWS else amx_ext().gemm
-        args = (layer.bits, 32, 64)
-        assert torch.equal(kernel(x, *layer.layout, None, *args), kernel(x, *wide, None, *args))
-        assert torch.equal(layer(x), kernel(x, *wide, None, *args))
+    assert_same_products(layer, wide)
