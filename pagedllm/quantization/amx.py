@@ -1,6 +1,6 @@
 """The AMX weight-only matmul (csrc/woq_amx.cpp): bf16 activations times 4- or 8-bit codes with a scale
-and min per group (float32 values, kept in the smallest exact form: pack_codes), dequantized once per call in 1 KB tiles instead of once per row (`gemm`); for
-1-4 rows, AVX512-BF16 dot products on the codes themselves, with the scale and min applied per group
+and min per group (float32 values, kept in the smallest exact form: pack_codes), dequantized once per call
+in 1 KB tiles instead of once per row (`gemm`); for 1-4 rows, AVX512-BF16 dot products on the codes themselves, with the scale and min applied per group
 (`gemv`, on the same layout).
 
 This module is the layout's arithmetic; the compiled kernel comes from the op table (ops.py: None without a
@@ -92,7 +92,7 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
 def rows(
     layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor], ids: torch.Tensor, bits: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """unpack_codes / unpack_groups of output rows `ids` only (an embedding lookup from a tied lm_head: a
+    """unpack_codes / unpack_scales_mins of output rows `ids` only (an embedding lookup from a tied lm_head: a
     decode step reads one row's 16-column subtile, not the whole table)."""
     codes, scales, mins = layout
     sub, col, at = ids // 16, ids % 16, torch.arange(len(ids)).unsqueeze(1)
@@ -112,10 +112,13 @@ def _subtile_groups(t: torch.Tensor) -> torch.Tensor:
     two-level form, as the kernel computes it (exact)."""
     if t.dtype != torch.uint8:
         return t.float()
-    d = t[..., :32].contiguous().view(torch.float16).float()  # [.., S, 16]
-    q = t[..., 32:].contiguous().view(torch.int8).float()  # [.., S, sb * 16]
-    sb = q.shape[-1] // 16
-    return (d.unsqueeze(-2) * q.unflatten(-1, (sb, 16))).flatten(-3, -2)
+    d, q = _split_two_level(t)
+    return (d.unsqueeze(-2) * q.float().unflatten(-1, (-1, 16))).flatten(-3, -2)
+
+
+def _split_two_level(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two-level bytes [.., S, 32 + 16 sb] -> (d float32 [.., S, 16], codes int8 [.., S, sb * 16])."""
+    return t[..., :32].contiguous().view(torch.float16).float(), t[..., 32:].contiguous().view(torch.int8)
 
 
 def unpack_scales_mins(scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,8 +140,8 @@ def superblocks(layout: tuple[torch.Tensor, ...]) -> SuperBlocks | None:
     sb = (s.shape[2] - 32) // 16
 
     def split(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        d = t[..., :32].contiguous().view(torch.float16).float()  # [N/16, S, 16]
-        q = t[..., 32:].contiguous().view(torch.int8).reshape(t.shape[0], -1, 16)  # [N/16, S * sb, 16]
+        d, q = _split_two_level(t)
+        q = q.reshape(t.shape[0], -1, 16)  # [N/16, S * sb, 16]
         return d.transpose(1, 2).reshape(-1, d.shape[1]), q.transpose(1, 2).reshape(-1, q.shape[1])
 
     (d, sq), (dmin, mq) = split(s), split(m)
