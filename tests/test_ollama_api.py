@@ -32,6 +32,7 @@ WEATHER = {
         },
     },
 }
+CALL_PARIS = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 PERSON = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
@@ -161,7 +162,9 @@ def test_format_json_and_schema(client: ollama.Client) -> None:
 
 
 def test_tool_call_and_tool_history(client: ollama.Client) -> None:
-    ask = [{"role": "user", "content": "Call get_weather for Paris."}]
+    # asked only to call the tool, the default model calls it or answers in prose at a near-tie that differs
+    # between CPU tiers; asked to copy the call, its first token leads by a nat or more on every tier
+    ask = [{"role": "user", "content": f"Reply with exactly this text:\n{CALL_PARIS}"}]
     r = client.chat("default", messages=ask, tools=[WEATHER], options={"temperature": 0, "num_predict": 60})
     (call,) = r.message.tool_calls
     assert call.function.name == "get_weather" and isinstance(call.function.arguments, dict)

@@ -346,18 +346,20 @@ def allowed_tokens(row: torch.Tensor, vocab_size: int) -> list[int]:
 
 @pytest.mark.slow
 def test_chat_constraint_applies_after_the_think_block(engine: AsyncEngine, gated_server: ServerInfo) -> None:
-    """Without enable_in_reasoning the regex constrains only the answer: the model, nudged by logit_bias
-    towards the tokens of </think>, writes a free think block, closes it, and then only the regex's
-    digits; with enable_in_reasoning (the `server` apps) the same request gives digits from the start."""
-    tag = engine.tokenizer.encode("</think>", add_special_tokens=False)
-    body = {
-        "structured_outputs": {"regex": "[0-9]{3}"},
-        "logit_bias": {str(t): 10 for t in tag},
-    }
+    """Without enable_in_reasoning the regex constrains only the answer: the model writes a free think
+    block (closed by max_reasoning_tokens; min_tokens keeps it from ending there), and then only the regex's
+    digits; with enable_in_reasoning (the `server` apps) the same request gives digits from the start.
+    (Not logit_bias on the tag's tokens: how soon the default model then closes the block is a near-tie that
+    differs between CPU tiers.)"""
+    regex = {"structured_outputs": {"regex": "[0-9]{3}"}}
     ask = [{"role": "user", "content": "Repeat exactly: </think>123"}]
     with connect(gated_server) as client:
         r = client.chat.completions.create(
-            model="default", messages=ask, temperature=0, max_tokens=30, extra_body=body
+            model="default",
+            messages=ask,
+            temperature=0,
+            max_tokens=30,
+            extra_body={**regex, "max_reasoning_tokens": 6, "min_tokens": 6},
         )
     message = r.choices[0].message
     assert re.fullmatch("[0-9]{3}", message.content), message.content
@@ -373,7 +375,7 @@ def test_chat_constraint_applies_after_the_think_block(engine: AsyncEngine, gate
     ) as whole:
         with connect(whole) as client:
             r = client.chat.completions.create(
-                model="default", messages=ask, temperature=0, max_tokens=30, extra_body=body
+                model="default", messages=ask, temperature=0, max_tokens=30, extra_body=regex
             )
     assert re.fullmatch("[0-9]{3}", r.choices[0].message.model_extra["reasoning_content"])
     assert r.choices[0].message.content is None
@@ -419,7 +421,7 @@ def test_budget_forces_the_tag(engine: AsyncEngine) -> None:
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_max_reasoning_tokens(engine: AsyncEngine, gated_server: ServerInfo, stream: bool) -> None:
     """deepseek_r1 on a model that never closes the block by itself: max_reasoning_tokens=6 closes it after
-    six tokens, and the model answers after it; without the budget all of it is reasoning."""
+    six tokens, and an answer follows; without the budget all of it is reasoning."""
     ask = [{"role": "user", "content": "What is the capital of France?"}]
     with connect(gated_server) as client:
 
@@ -433,7 +435,8 @@ def test_max_reasoning_tokens(engine: AsyncEngine, gated_server: ServerInfo, str
             deltas = [c.choices[0].delta for c in r if c.choices]
             return "".join(reasoning_of(d) for d in deltas), "".join(d.content or "" for d in deltas) or None
 
-        reasoning, content = reply(max_reasoning_tokens=6)
+        # min_tokens: after the forced </think> the model may end at once (it does on the amx tier)
+        reasoning, content = reply(max_reasoning_tokens=6, min_tokens=14)
         assert len(engine.tokenizer.encode(reasoning, add_special_tokens=False)) <= 6
         assert reasoning and content  # the block was closed, and an answer followed
         free, none = reply()
