@@ -6,7 +6,7 @@ activations' dtype, and keeps that kernel and the layout it packed; a call then 
 no kernel takes it, or inside forced(quantized_linear="torch"), the torch reference runs
 (QuantLinear.forward_native: dequantize, then F.linear).
 
-    AmxKernel          amx tier, bf16 activations: AVX512-BF16 dot products for 1-GEMV_MAX_ROWS rows, AMX
+    AmxKernel          amx tier, bf16 activations: int8 (VNNI) dot products for 1-GEMV_MAX_ROWS rows, AMX
                        tiles above, on one layout (amx.py, csrc/woq_amx.h, csrc/woq_gemv.h)
     Avx2Kernel         every tier from avx2 up, fp32 or bf16 activations quantized to int8 on the fly,
                        VPMADDUBSW dot products, any rows (avx2.py, csrc/woq_avx2.h)
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 Layout = tuple[torch.Tensor, ...]
 
-# Rows at or below which the AVX512-BF16 dot-product kernel runs on the AMX layout; the AMX tiles above.
+# Rows at or below which the int8 dot-product kernel runs on the AMX layout; the AMX tiles above.
 # Measured on an AMX Xeon (2 threads, hot, default-model shapes): at 1-4 rows the dot products beat
 # torch's INT4 kernel (15-44 us against 25-60 us at one row; equal at four); above, the tiles win
 # (32 rows: torch 244-712 us vs AMX 53-161 us).

@@ -1,12 +1,13 @@
-// Weight-only quantized matrix-vector products for 1-4 rows of bf16 activations with AVX512-BF16, over
-// the AMX kernel's layout (woq_amx.cpp describes it and binds this for Python; model/csrc/decode_stack.cpp
-// calls it directly).
+// Weight-only quantized matrix-vector products for 1-4 rows of bf16 activations with AVX512-VNNI int8 dot
+// products, over the AMX kernel's layout (woq_amx.cpp describes it and binds this for Python;
+// model/csrc/decode_stack.cpp calls it directly).
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#include "woq_amx.h"  // the layout, kTile
+#include "woq_amx.h"   // the layout, kTile
+#include "woq_avx2.h"  // quantize_row: x rounded as the AVX2 layout's kernel rounds it
 
 #include <immintrin.h>
 
@@ -22,33 +23,41 @@ namespace woq {
 
 constexpr int64_t kGemvMaxRows = 4;  // amx.GEMV_MAX_ROWS
 
-// For 1-4 rows the AMX tiles are mostly padding, and dequantizing every weight to bf16 (float32 convert,
-// multiply, add, round) costs more than the dot product itself. Here the codes themselves become bf16
-// (small integers are exact in bf16) and VDPBF16PS multiplies them with x, so a group's result is
-//     sum_k x_k (s q_k + m) = s * (sum_k x_k q_k) + m * (sum_k x_k),
-// one scale and one min applied per group and 16 columns, not per weight. Exact products, float32 sums:
-// closer to the float32 result than the dequantized-bf16 weights are (no per-weight rounding), so not
-// bit-equal to the AMX path, as torch's INT4 kernel, which this replaces at small rows, was not either.
+// For 1-4 rows the AMX tiles are mostly padding, and dequantizing every weight to bf16 costs more than the
+// product itself. Here, as in the AVX2 layout's kernel (woq_avx2.h, whose activation rounding this shares),
+// x is rounded to int8 per 32-input block, x_k ~ d_b xq_k, and the codes themselves go into VPDPBUSD
+// (unsigned codes times signed activations, four products summed into each int32 lane):
+//     sum_k x_k (s q_k + m) ~ s d_b (sum_k q_k xq_k) + m (d_b sum_k xq_k),
+// integer dot products exact in int32, then per 32-block and 16 columns one convert and two FMAs.
+// Accuracy contract (woq_avx2.h's): the float32 reference on x rounded per 32-block, up to float32
+// summation order (tests/test_quant_linear.py). Not bit-equal to the AMX tiles (bf16 x, bf16-rounded
+// weights) above 4 rows, as the bf16 dot products this replaces were not either.
 //
-// 4-bit codes become bf16 by bit pattern: 0x4300 | q is the bf16 of 128 + q for q < 128, so the dot
-// product sums x_k (q_k + 128) and 128 * sum_k x_k is taken off again per group.
+// Why int8 and not bf16 dot products: a 64-byte line of 4-bit codes (128 weights) is 2 VPDPBUSD here against
+// 4 VDPBF16PS plus the decoding to bf16 (~20 instructions a line, ~18 cycles: 62-67% of a 2-core Xeon's
+// read bandwidth on a 1B model; the int8 way leaves the loop bound by memory).
+//
+// The layout pairs inputs (e = 2n + k % 2: a 16-bit word is one column's two codes), VPDPBUSD wants four
+// inputs of one column in each 32-bit lane, so one word permute a vector puts pair rows p and p+1 side by
+// side: 4-bit, a line is pair rows p..p+3, the low nibbles columns 0-7 and the high nibbles columns 8-15;
+// 8-bit, a line is pair rows p, p+1 with all 16 columns.
 
-// Two pair rows of 4-bit codes (32 bytes) -> two vectors of 32 bf16 values 128 + q, in e order.
-inline void decode4_rows(const uint8_t* codes, __m512i& row0, __m512i& row1) {
-  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
-  const __m512i bias = _mm512_set1_epi16(0x4300);
-  const __m512i lo = _mm512_or_si512(_mm512_and_si512(w, _mm512_set1_epi16(0x0F)), bias);  // e 0..15
-  const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(w, 4), bias);                        // e 16..31
-  row0 = _mm512_shuffle_i64x2(lo, hi, 0x44);  // row 0's bytes sit in the low 256 bits of lo and hi
-  row1 = _mm512_shuffle_i64x2(lo, hi, 0xEE);
+// The word indices: lane n of A takes column n's words of pair rows 0 and 1 of the line, of B pair rows 2, 3;
+// for 4-bit, columns 8-15 from the second source (the line shifted right by 4: its high nibbles).
+inline __m512i nibble_quad_index(int first_row) {
+  alignas(64) int16_t idx[32];
+  for (int n = 0; n < 16; ++n) {
+    const int src = n < 8 ? 0 : 32, col = n & 7;
+    idx[2 * n] = int16_t(src + 8 * first_row + col);
+    idx[2 * n + 1] = int16_t(src + 8 * (first_row + 1) + col);
+  }
+  return _mm512_load_si512(idx);
 }
 
-// One pair row of 8-bit codes (32 bytes) -> 32 bf16 values q (integers up to 256 are exact in bf16).
-inline __m512i decode8_row(const uint8_t* codes) {
-  const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))));
-  const __m512 q1 =
-      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16))));
-  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(q1, q0));
+inline __m512i byte_quad_index() {
+  alignas(64) int16_t idx[32];
+  for (int n = 0; n < 16; ++n) idx[2 * n] = int16_t(n), idx[2 * n + 1] = int16_t(16 + n);
+  return _mm512_load_si512(idx);
 }
 
 // How far ahead the loop asks for codes, scales and mins. Decode-time weights come from L3 / DRAM, and a
@@ -56,64 +65,71 @@ inline __m512i decode8_row(const uint8_t* codes) {
 // of the default model took 16.3 ms without, 8.4 ms at 1 KB / 4 groups ahead, 6.5 ms at 2 KB / 8 groups
 // (2 threads; 4 KB / 16 groups the same, 8 KB / 32 slower).
 constexpr int64_t kPrefetchCodeBytes = 2048, kPrefetchGroups = 8;
+constexpr int64_t kXBlock = 32;  // inputs an activation block (woq_avx2::kBlock)
+
+// x rounded per 32-block (woq_avx2::quantize_row): codes [M, K], block scales d and d x code sums ds [M, K/32]
+struct QuantizedRows {
+  const int8_t* q;
+  const float* d;
+  const float* ds;
+};
 
 template <int BITS, int M, typename Sc, typename Mn>
-void gemv_subtiles(const at::BFloat16* x, int64_t K, const uint8_t* codes, const Sc& scales, const Mn& mins,
+void gemv_subtiles(const QuantizedRows& xr, int64_t K, const uint8_t* codes, const Sc& scales, const Mn& mins,
                    const float* bias, int64_t group_size, int64_t N, at::BFloat16* out, int64_t ns_begin,
                    int64_t ns_end) {
-  const int64_t groups = K / group_size, pairs_per_group = group_size / 2;
-  const int64_t code_row_bytes = BITS == 4 ? 16 : 32;
-  const float offset = BITS == 4 ? 128.f : 0.f;  // what the bf16 bit pattern adds to every code
-  // x as bf16 pairs (one 32-bit broadcast feeds a VDPBF16PS), and its sum over each group in float32
-  const auto* xp = reinterpret_cast<const int32_t*>(x);
-  std::vector<float> xsum(M * groups);
-  for (int m = 0; m < M; ++m)
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) s += float(x[m * K + k]);
-      xsum[m * groups + g] = s;
-    }
+  const int64_t groups = K / group_size, blocks_per_group = group_size / kXBlock, nb = K / kXBlock;
+  const int64_t code_row_bytes = BITS == 4 ? 16 : 32;  // a pair row: 16 columns x 2 inputs
+  const __m512i idx_a = BITS == 4 ? nibble_quad_index(0) : byte_quad_index();
+  const __m512i idx_b = nibble_quad_index(2);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t ns = ns_begin; ns < ns_end; ++ns) {
     const uint8_t* c = codes + ns * (K / 2) * code_row_bytes;
     __m512 y[M];
     for (int m = 0; m < M; ++m) y[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      // four partial sums a row: a VDPBF16PS waits on the previous one into the same register, so one
-      // chain would run at its latency rather than at the decoding's pace
-      __m512 d[M][4];
-      for (int m = 0; m < M; ++m)
-        for (int j = 0; j < 4; ++j) d[m][j] = _mm512_setzero_ps();
-      const int64_t p0 = g * pairs_per_group;
       prefetch_line(scales.line(ns, g + kPrefetchGroups));  // past the last group: the next subtile's first
       prefetch_line(mins.line(ns, g + kPrefetchGroups));
-      for (int64_t p = p0; p < p0 + pairs_per_group; p += 4) {  // pairs_per_group is a multiple of 16
-        // one 64-byte line of codes a step for 4-bit (4 pair rows x 16 bytes), two for 8-bit
-        _mm_prefetch(reinterpret_cast<const char*>(c + p * code_row_bytes + kPrefetchCodeBytes), _MM_HINT_T0);
-        if constexpr (BITS == 8)
-          _mm_prefetch(reinterpret_cast<const char*>(c + p * code_row_bytes + kPrefetchCodeBytes + 64), _MM_HINT_T0);
-        __m512i w[4];
-        if constexpr (BITS == 4) {
-          decode4_rows(c + p * 16, w[0], w[1]);
-          decode4_rows(c + (p + 2) * 16, w[2], w[3]);
-        } else {
-          for (int j = 0; j < 4; ++j) w[j] = decode8_row(c + (p + j) * 32);
-        }
-        for (int m = 0; m < M; ++m) {
-          const int32_t* xr = xp + m * (K / 2);
-          for (int j = 0; j < 4; ++j)
-            d[m][j] = _mm512_dpbf16_ps(d[m][j], reinterpret_cast<__m512bh>(_mm512_set1_epi32(xr[p + j])),
-                                       reinterpret_cast<__m512bh>(w[j]));
-        }
-      }
       const __m512 s = scales.at(ns, g);
       const __m512 mn = mins.at(ns, g, s);
-      for (int m = 0; m < M; ++m) {
-        const float xs = xsum[m * groups + g];
-        const __m512 dm = _mm512_add_ps(_mm512_add_ps(d[m][0], d[m][1]), _mm512_add_ps(d[m][2], d[m][3]));
-        // sum_k x_k q_k, fused explicitly: the same instructions whatever -ffp-contract a build uses
-        const __m512 qsum = _mm512_fnmadd_ps(_mm512_set1_ps(offset), _mm512_set1_ps(xs), dm);
-        y[m] = _mm512_fmadd_ps(s, qsum, y[m]);
-        y[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs), y[m]);
+      for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+        // four partial sums a row: a VPDPBUSD waits on the previous one into the same register
+        __m512i acc[M][4];
+        for (int m = 0; m < M; ++m)
+          for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_si512();
+        const uint8_t* cb = c + b * (kXBlock / 2) * code_row_bytes;  // the block's 16 pair rows
+        constexpr int kLines = BITS == 4 ? 4 : 8;  // 64-byte lines a block
+        for (int l = 0; l < kLines; ++l) {
+          const uint8_t* line = cb + 64 * l;
+          _mm_prefetch(reinterpret_cast<const char*>(line + kPrefetchCodeBytes), _MM_HINT_T0);
+          const __m512i v = _mm512_loadu_si512(line);
+          if constexpr (BITS == 4) {  // inputs 8l..8l+3 (A) and 8l+4..8l+7 (B) of the block
+            const __m512i v4 = _mm512_srli_epi16(v, 4);
+            const __m512i wa = _mm512_and_si512(_mm512_permutex2var_epi16(v, idx_a, v4), low4);
+            const __m512i wb = _mm512_and_si512(_mm512_permutex2var_epi16(v, idx_b, v4), low4);
+            for (int m = 0; m < M; ++m) {
+              const int32_t* xq = reinterpret_cast<const int32_t*>(xr.q + m * K + b * kXBlock + 8 * l);
+              const int j = 2 * (l & 1);
+              acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], wa, _mm512_set1_epi32(xq[0]));
+              acc[m][j + 1] = _mm512_dpbusd_epi32(acc[m][j + 1], wb, _mm512_set1_epi32(xq[1]));
+            }
+          } else {  // inputs 4l..4l+3 of the block
+            _mm_prefetch(reinterpret_cast<const char*>(line + kPrefetchCodeBytes + 64), _MM_HINT_T0);
+            const __m512i w = _mm512_permutexvar_epi16(idx_a, v);
+            for (int m = 0; m < M; ++m) {
+              const int32_t* xq = reinterpret_cast<const int32_t*>(xr.q + m * K + b * kXBlock + 4 * l);
+              acc[m][l & 3] = _mm512_dpbusd_epi32(acc[m][l & 3], w, _mm512_set1_epi32(xq[0]));
+            }
+          }
+        }
+        for (int m = 0; m < M; ++m) {
+          const __m512i isum =
+              _mm512_add_epi32(_mm512_add_epi32(acc[m][0], acc[m][1]), _mm512_add_epi32(acc[m][2], acc[m][3]));
+          // fused explicitly: the same instructions whatever -ffp-contract a build uses
+          const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(xr.d[m * nb + b]));
+          y[m] = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(isum), y[m]);
+          y[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xr.ds[m * nb + b]), y[m]);
+        }
       }
     }
     for (int m = 0; m < M; ++m)
@@ -123,7 +139,7 @@ void gemv_subtiles(const at::BFloat16* x, int64_t K, const uint8_t* codes, const
 
 // out[M, N] (row stride N) = x[M, K] (row stride K) @ W^T for output subtiles [ns_begin, ns_end), M 1..4.
 template <typename Sc, typename Mn>
-void gemv(int64_t M, int64_t bits, const at::BFloat16* x, int64_t K, const uint8_t* codes, const Sc& scales,
+void gemv(int64_t M, int64_t bits, const QuantizedRows& x, int64_t K, const uint8_t* codes, const Sc& scales,
           const Mn& mins, const float* bias, int64_t group_size, int64_t N, at::BFloat16* out, int64_t ns_begin,
           int64_t ns_end) {
 #define WOQ_GEMV_CASE(B, R) \
@@ -143,9 +159,16 @@ inline void gemv_into(int64_t M, int64_t bits, const at::BFloat16* x, int64_t K,
   // a task of at least ~16 KB of codes before a second thread is woken
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(K * 16 * bits / 8, 1));
   const uint8_t* c = codes.data_ptr<uint8_t>();
+  // x rounded once a call, on the calling thread (K bytes a row: cheap beside the N K / 2 bytes of codes)
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d, ds;
+  q.resize(M * K), d.resize(M * K / kXBlock), ds.resize(M * K / kXBlock);
+  for (int64_t m = 0; m < M; ++m)
+    woq_avx2::quantize_row(x + m * K, K, q.data() + m * K, d.data() + m * K / kXBlock, ds.data() + m * K / kXBlock);
+  const QuantizedRows xr{q.data(), d.data(), ds.data()};
   with_groups(scales, mins, K / group_size, [&](const auto& sc, const auto& mn) {
     at::parallel_for(0, N / kTile, grain, [&](int64_t begin, int64_t end) {
-      gemv(M, bits, x, K, c, sc, mn, bias, group_size, N, out, begin, end);
+      gemv(M, bits, xr, K, c, sc, mn, bias, group_size, N, out, begin, end);
     });
   });
 }
