@@ -55,7 +55,7 @@ KERNELS: dict[str, Kernel] = {
     "woq_amx": Kernel(
         "pagedllm_woq_amx",
         "quantization/csrc/woq_amx.cpp",
-        "4/8-bit weight-only matmul on AMX tiles, int8 (VNNI) gemv for 1-4 rows",
+        "4/8-bit weight-only matmul on AMX tiles, int8 (VNNI) gemv for 1-8 rows",
         min_tier="amx",
         fixed_tier="amx",
     ),

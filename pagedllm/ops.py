@@ -64,12 +64,12 @@ QUANTIZED_LINEAR_KERNELS = {"amx": ("woq_amx", "woq_avx2"), "avx2": ("woq_avx2",
 # quantized-linear kernels (woq_kernels.py names) whose result for a row does not depend on the other rows of
 # the call: the AVX2 kernel rounds each row to int8 on its own and sums each output in one fixed order (its
 # 32-blocks in turn, whatever kRows block the row falls in), and threads split output columns, never a sum.
-# Not "amx" (int8 dot products for 1-4 rows, bf16 AMX tiles above: two roundings of x), not "torch-packed"
+# Not "amx" (int8 dot products for 1-8 rows, bf16 AMX tiles above: two roundings of x), not "torch-packed"
 # (its own kernel up to 48/64 rows, the weight dequantized for F.linear above).
 ROW_INVARIANT_QUANTIZED_KERNELS = ("avx2",)
 # What --batch-invariant runs for each op whose choice it changes, and why (`pagedllm env` prints it)
 BATCH_INVARIANT = {
-    "quantized_linear": "the avx2 kernel for every row count (at the amx tier too: no 1-4 row dot products "
+    "quantized_linear": "the avx2 kernel for every row count (at the amx tier too: no 1-8 row dot products "
     "there); a linear it does not take is refused",
     "attention_decode": "the C++ decode kernel for every query row, prompts' and verified drafts' included "
     "(each row alone over its context through the block table); the torch decode (padded to the batch's "
@@ -161,7 +161,7 @@ def select(caps: platform.Capabilities) -> dict[str, Choice]:
         out["quantized_linear"] = Choice(
             "quantized_linear",
             "amx",
-            "bf16: int8 (VNNI) dot products for 1-4 rows, AMX tiles above; fp32: the avx2 kernel",
+            "bf16: int8 (VNNI) dot products for 1-8 rows, AMX tiles above; fp32: the avx2 kernel",
             QUANTIZED_LINEAR_KERNELS["amx"],
         )
     elif _usable("woq_avx2", caps):

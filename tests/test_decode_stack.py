@@ -1,7 +1,7 @@
 """The C++ decode stack (model/decode_stack.py): all decoder layers of a step in one call.
 
 It makes the Python layer loop's calls from C++, so it must give the loop's hidden states and KV cache
-bit for bit, for fresh prefills and decode batches of every size (the 1-4 row kernel and the AMX tiles;
+bit for bit, for fresh prefills and decode batches of every size (the 1-8 row kernel and the AMX tiles;
 the AVX2 int8-activation kernel in float32 and bf16 on every tier from avx2 up), and step aside for
 everything else.
 """
@@ -144,7 +144,15 @@ def assert_stack_equals_loop(model, lengths: list[int], steps: int) -> None:
 @needs_amx
 @pytest.mark.parametrize(
     "lengths",
-    [[37], [5, 70], [16, 1, 33], [64, 17, 2, 40], [3, 9, 18, 30, 41, 50, 7]],  # 7 rows: the AMX tiles
+    # 7 rows: the gemv's two passes over the codes; 9: the AMX tiles
+    [
+        [37],
+        [5, 70],
+        [16, 1, 33],
+        [64, 17, 2, 40],
+        [3, 9, 18, 30, 41, 50, 7],
+        [4, 8, 15, 16, 23, 42, 6, 2, 11],
+    ],
 )
 def test_stack_equals_the_layer_loop_on_the_default_gguf_model(gguf_model, lengths):
     assert_stack_equals_loop(gguf_model, lengths, steps=3)

@@ -213,7 +213,7 @@ def test_amx_kernel_prefill_strips_equal_row_chunks(bits, rows):
 
 @needs_amx
 @pytest.mark.parametrize("bits,group_size", [*SCHEMES, (8, 32), (4, 256)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])  # above 4, a second pass over the codes
 def test_gemv_kernel_is_the_product_on_x_rounded_to_int8(bits, group_size, rows):
     w, b = weight(208, 512), torch.randn(208)  # 13 column tiles of 16
     layer = QuantLinear.from_quantized(rtn_quantize_weight(w, bits, group_size), bias=b)
@@ -238,9 +238,9 @@ def test_gemv_kernel_is_the_product_on_x_rounded_to_int8(bits, group_size, rows)
 def test_gemv_kernel_rejects_more_rows_than_it_takes():
     layer = QuantLinear.from_quantized(rtn_quantize_weight(weight(64, 256), 4, 32))
     layer.pack()
-    assert kernel_name(layer) == "amx" and GEMV_MAX_ROWS == 4
-    with pytest.raises(RuntimeError, match="1 to 4 rows"):
-        amx_ext().gemv(activations(5, 256), *layer.layout, None, 4, 32, 64)
+    assert kernel_name(layer) == "amx" and GEMV_MAX_ROWS == 8
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        amx_ext().gemv(activations(9, 256), *layer.layout, None, 4, 32, 64)
 
 
 @needs_amx
@@ -434,7 +434,7 @@ def test_released_layer_rebuilds_its_stored_form_from_the_kernels_layout(bits, g
     layer = QuantLinear.from_quantized(rtn_quantize_weight(w, bits, group_size), bias=b)
     codes, (scales, mins) = layer.codes(), layer.scales_and_mins()
     dequantized = layer.dequantize_weight()
-    x = activations(7, 128)
+    x = activations(GEMV_MAX_ROWS + 1, 128)  # the AMX tiles at the amx tier
     before = layer.weight_bytes()
     with ops.forced(quantized_linear=kernel):  # the AVX2 kernel takes bf16 too (forced at the amx tier)
         layer.pack()  # builds the kernel's layout, then releases the stored form it repeats

@@ -1,6 +1,6 @@
 """The AMX weight-only matmul (csrc/woq_amx.cpp): bf16 activations times 4- or 8-bit codes with a scale
 and min per group (float32 values, kept in the smallest exact form: pack_codes), dequantized once per call
-in 1 KB tiles instead of once per row (`gemm`); for 1-4 rows, AVX512-VNNI int8 dot products on the codes
+in 1 KB tiles instead of once per row (`gemm`); for 1-8 rows, AVX512-VNNI int8 dot products on the codes
 themselves, with the scale and min applied per group (`gemv`, on the same layout).
 
 This module is the layout's arithmetic; the compiled kernel comes from the op table (ops.py: None without a

@@ -33,11 +33,11 @@ if TYPE_CHECKING:
 
 Layout = tuple[torch.Tensor, ...]
 
-# Rows at or below which the int8 dot-product kernel runs on the AMX layout; the AMX tiles above.
-# Measured on an AMX Xeon (2 threads, hot, default-model shapes): at 1-4 rows the dot products beat
-# torch's INT4 kernel (15-44 us against 25-60 us at one row; equal at four); above, the tiles win
-# (32 rows: torch 244-712 us vs AMX 53-161 us).
-GEMV_MAX_ROWS = 4
+# Rows at or below which the int8 dot-product kernel runs on the AMX layout; the AMX tiles above (their cost
+# is dequantizing the weight to bf16, flat up to 16 rows). Measured on an AMX Xeon (2 threads, a 1B model's
+# 8192 x 2048 Q4_K layer, weights from DRAM): gemv 0.38 / 0.62 / 1.00 / 1.22 ms at 1 / 4 / 5 / 8 rows
+# (above 4, two passes over the codes, the second from L2), the tiles 1.27-1.31 ms at 1-16 rows.
+GEMV_MAX_ROWS = 8
 # Rows at or below which torch's packed kernels run (else: dequantize + bf16 GEMM). Measured (AVX-512 BF16,
 # 1 thread, medians, default-model shapes 576x576 / 1536x576 / 576x1536): both cost ~8-20 us a row (INT8 a
 # little more, plus the zero-point correction), the dequantize path ~0.45-1.4 ms plus ~1-3 us a row.

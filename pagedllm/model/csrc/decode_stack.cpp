@@ -8,7 +8,7 @@
 // layer. Here each layer is the same calls made from C++: the same functions the Python path binds
 // (layer_ops.h, paged_decode.h, woq_gemv.h, woq_amx.h, woq_avx2.h) and the same ATen / oneDNN ops, on the same
 // tensors in the same order, so the result is the Python path's bit for bit, without its per-call cost.
-// Decode steps of 1-4 sequences on AMX-layout linears go one step further (small_decode): raw pointers
+// Decode steps of 1-8 sequences on AMX-layout linears go one step further (small_decode): raw pointers
 // into buffers made once a step, no tensors per call.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -88,7 +88,7 @@ struct Linear {
   }
 
 #ifdef PAGEDLLM_STACK_SMALL_DECODE
-  // The same as operator() for 1-4 rows of an AMX-layout linear (bits 4, 8), written into out [M, N]:
+  // The same as operator() for 1-8 rows of an AMX-layout linear (bits 4, 8), written into out [M, N]:
   // woq::gemv_tensor's kernel and split, without its tensors.
   void gemv_into(const at::BFloat16* x, int64_t M, int64_t K, at::BFloat16* out) const {
     woq::gemv_into(M, bits, x, K, codes, scales, mins, bias.defined() ? bias.data_ptr<float>() : nullptr,
@@ -245,7 +245,7 @@ class DecodeStack {
   }
 
  private:
-  // A decode step of 1-4 sequences is bound by streaming the weights, and the ~25 tensors a layer's calls
+  // A decode step of 1-8 sequences is bound by streaming the weights, and the ~25 tensors a layer's calls
   // make (views, outputs, checks) cost ~10 us a layer on top: a tenth of a single-stream step. Here the
   // same kernels run on raw pointers into buffers made once a step: woq::gemv with gemv_tensor's split,
   // layer_ops' row functions (silu_mul's rows included), paged_decode's bf16 tasks with its split, and

@@ -1,4 +1,4 @@
-// Bindings of the weight-only quantized matmuls (woq_amx.h: AMX tiles; woq_gemv.h: 1-4 rows) for
+// Bindings of the weight-only quantized matmuls (woq_amx.h: AMX tiles; woq_gemv.h: 1-8 rows) for
 // quantization/amx.py, and the one-time request for the AMX tile state.
 #include <torch/csrc/utils/pybind.h>
 
@@ -67,7 +67,7 @@ at::Tensor gemm(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor mi
   return woq::gemm_tensor(x, codes, scales, mins, b, bits, group_size, out_features);
 }
 
-// The same product for 1-4 rows of x with int8 (AVX512-VNNI) dot products, x rounded per 32 inputs: woq_gemv.h.
+// The same product for 1-8 rows of x with int8 (AVX512-VNNI) dot products, x rounded per 32 inputs: woq_gemv.h.
 at::Tensor gemv(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor mins, c10::optional<at::Tensor> bias,
                 int64_t bits, int64_t group_size, int64_t out_features) {
   check_args(x, codes, scales, mins, bits, group_size, out_features);
@@ -78,5 +78,5 @@ at::Tensor gemv(at::Tensor x, at::Tensor codes, at::Tensor scales, at::Tensor mi
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this CPU and kernel let the process use AMX (asks once)");
   m.def("gemm", &gemm, "x @ dequantize(codes, scales, mins)^T on AMX");
-  m.def("gemv", &gemv, "the same for 1-4 rows, int8 (VNNI) dot products on the codes");
+  m.def("gemv", &gemv, "the same for 1-8 rows, int8 (VNNI) dot products on the codes");
 }

@@ -1,4 +1,4 @@
-// Weight-only quantized matrix-vector products for 1-4 rows of bf16 activations with AVX512-VNNI int8 dot
+// Weight-only quantized matrix-vector products for 1-8 rows of bf16 activations with AVX512-VNNI int8 dot
 // products, over the AMX kernel's layout (woq_amx.cpp describes it and binds this for Python;
 // model/csrc/decode_stack.cpp calls it directly).
 #pragma once
@@ -21,9 +21,9 @@
 
 namespace woq {
 
-constexpr int64_t kGemvMaxRows = 4;  // amx.GEMV_MAX_ROWS
+constexpr int64_t kGemvMaxRows = 8;  // amx.GEMV_MAX_ROWS
 
-// For 1-4 rows the AMX tiles are mostly padding, and dequantizing every weight to bf16 costs more than the
+// For 1-8 rows the AMX tiles are mostly padding, and dequantizing every weight to bf16 costs more than the
 // product itself. Here, as in the AVX2 layout's kernel (woq_avx2.h, whose activation rounding this shares),
 // x is rounded to int8 per 32-input block, x_k ~ d_b xq_k, and the codes themselves go into VPDPBUSD
 // (unsigned codes times signed activations, four products summed into each int32 lane):
@@ -139,9 +139,9 @@ void gemv_subtiles(const QuantizedRows& xr, int64_t K, const uint8_t* codes, con
 
 // out[M, N] (row stride N) = x[M, K] (row stride K) @ W^T for output subtiles [ns_begin, ns_end), M 1..4.
 template <typename Sc, typename Mn>
-void gemv(int64_t M, int64_t bits, const QuantizedRows& x, int64_t K, const uint8_t* codes, const Sc& scales,
-          const Mn& mins, const float* bias, int64_t group_size, int64_t N, at::BFloat16* out, int64_t ns_begin,
-          int64_t ns_end) {
+void gemv_pass(int64_t M, int64_t bits, const QuantizedRows& x, int64_t K, const uint8_t* codes, const Sc& scales,
+               const Mn& mins, const float* bias, int64_t group_size, int64_t N, at::BFloat16* out, int64_t ns_begin,
+               int64_t ns_end) {
 #define WOQ_GEMV_CASE(B, R) \
   if (bits == B && M == R) \
     return gemv_subtiles<B, R, Sc, Mn>(x, K, codes, scales, mins, bias, group_size, N, out, ns_begin, ns_end);
@@ -150,7 +150,27 @@ void gemv(int64_t M, int64_t bits, const QuantizedRows& x, int64_t K, const uint
 #undef WOQ_GEMV_CASE
 }
 
-// x [M, K] (M 1..4, rows K apart) times the layer in the AMX layout into out [M, N]; bias float32 [N] or
+// Rows a pass over the codes takes (the accumulators of 4 rows fill the registers); above, each span of
+// subtiles (~kSpanBytes of codes, from L2 after the first pass) runs every 4 rows in turn, so the codes
+// still come from memory once: at 8 rows one call costs ~1.4 single-row calls, not 2.
+constexpr int64_t kGemvPassRows = 4, kSpanBytes = 64 << 10;
+
+template <typename Sc, typename Mn>
+void gemv(int64_t M, int64_t bits, const QuantizedRows& x, int64_t K, const uint8_t* codes, const Sc& scales,
+          const Mn& mins, const float* bias, int64_t group_size, int64_t N, at::BFloat16* out, int64_t ns_begin,
+          int64_t ns_end) {
+  if (M <= kGemvPassRows)
+    return gemv_pass(M, bits, x, K, codes, scales, mins, bias, group_size, N, out, ns_begin, ns_end);
+  const int64_t nb = K / kXBlock, span = std::max<int64_t>(1, kSpanBytes / (K * kTile * bits / 8));
+  for (int64_t ns = ns_begin; ns < ns_end; ns += span)
+    for (int64_t r = 0; r < M; r += kGemvPassRows) {
+      const QuantizedRows rows{x.q + r * K, x.d + r * nb, x.ds + r * nb};
+      gemv_pass(std::min(kGemvPassRows, M - r), bits, rows, K, codes, scales, mins, bias, group_size, N,
+                out + r * N, ns, std::min(ns + span, ns_end));
+    }
+}
+
+// x [M, K] (M 1..8, rows K apart) times the layer in the AMX layout into out [M, N]; bias float32 [N] or
 // nullptr: the column subtiles split between threads. gemv_tensor's kernel, and the decode stack's for
 // its small steps (model/csrc/decode_stack.cpp), on raw pointers.
 inline void gemv_into(int64_t M, int64_t bits, const at::BFloat16* x, int64_t K, const at::Tensor& codes,
@@ -173,12 +193,12 @@ inline void gemv_into(int64_t M, int64_t bits, const at::BFloat16* x, int64_t K,
   });
 }
 
-// x [M, K] bf16 (M 1..4) times the layer in the AMX layout; bias float32 [N] or undefined. The buffers'
+// x [M, K] bf16 (M 1..8) times the layer in the AMX layout; bias float32 [N] or undefined. The buffers'
 // shapes are the caller's to check (woq_amx.cpp's check_args).
 inline at::Tensor gemv_tensor(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                               const at::Tensor& mins, const at::Tensor& bias, int64_t bits, int64_t group_size,
                               int64_t N) {
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kGemvMaxRows, "woq_amx: gemv takes 1 to 4 rows");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kGemvMaxRows, "woq_amx: gemv takes 1 to 8 rows");
   const int64_t M = x.size(0), K = x.size(1);
   const at::Tensor xa = x.contiguous();
   auto out = at::empty({M, N}, x.options());
@@ -188,7 +208,7 @@ inline at::Tensor gemv_tensor(const at::Tensor& x, const at::Tensor& codes, cons
 }
 
 // x [M, K] bf16 times a layer in the AMX layout (bits 4 or 8):
-// the dot-product kernel for 1-4 rows, the AMX tiles above, as QuantLinear.path() chooses in Python.
+// the dot-product kernel for 1-8 rows, the AMX tiles above, as QuantLinear.path() chooses in Python.
 inline at::Tensor linear_tensor(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                                 const at::Tensor& mins, const at::Tensor& bias, int64_t bits, int64_t group_size,
                                 int64_t N) {
