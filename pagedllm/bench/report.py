@@ -342,7 +342,7 @@ def render(d: Path) -> str:
             "## The same, with the GGUF weights served natively",
             "",
             "`--quantization gguf`: the default model's Q4_1 linears and Q8_0 lm_head multiplied from their own",
-            "blocks (a C++ kernel for 1-4 rows, the AMX kernel above, where the CPU has AMX), HF bf16",
+            "blocks (a C++ kernel for 1-8 rows, the AMX kernel above, where the CPU has AMX), HF bf16",
             "again in the same run.",
             "",
         ]
