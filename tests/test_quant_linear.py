@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
+from quant_helpers import rounded_x
 
 from pagedllm import ops
 from pagedllm.config import ModelConfig
@@ -52,15 +53,6 @@ def assert_bf16_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None
     err, err_plain = (y.float() - ref).abs(), (plain - ref).abs()
     assert err.mean() <= 2 * err_plain.mean() + 1e-6, (err.mean(), err_plain.mean())
     assert err.max() <= 4 * err_plain.max() + 1e-6, (err.max(), err_plain.max())
-
-
-def rounded_x(x: torch.Tensor) -> torch.Tensor:
-    """x as the int8 kernels see it (woq_avx2.h's quantize_row): per 32 inputs round(x * 127 / max|x|) times
-    max|x| / 127, float32."""
-    b = x.float().view(x.shape[0], -1, 32)
-    amax = b.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    return (torch.round(b * inv).clamp(-127, 127) * (amax / 127.0)).view(x.shape[0], -1)
 
 
 def rounds_x_to_int8(layer: QuantLinear, rows: int) -> bool:

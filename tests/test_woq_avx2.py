@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from quant_helpers import rounded_x
 
 from pagedllm import ops
 from pagedllm.quantization import avx2
@@ -61,15 +62,6 @@ def weight(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tor
     n, k = codes.shape
     per = k // scales.shape[1]
     return codes.float() * scales.repeat_interleave(per, 1) + mins.repeat_interleave(per, 1)
-
-
-def rounded_x(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel sees it: per 32-block codes round(x * 127 / max|x|) times max|x| / 127, float32."""
-    b = x.float().view(x.shape[0], -1, 32)
-    amax = b.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    q = torch.round(b * inv).clamp(-127, 127)
-    return (q * (amax / 127.0)).view(x.shape[0], -1)
 
 
 def rel(y: torch.Tensor, ref: torch.Tensor) -> float:

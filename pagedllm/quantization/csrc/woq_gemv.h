@@ -31,7 +31,7 @@ constexpr int64_t kGemvMaxRows = 8;  // amx.GEMV_MAX_ROWS
 // integer dot products exact in int32, then per 32-block and 16 columns one convert and two FMAs.
 // Accuracy contract (woq_avx2.h's): the float32 reference on x rounded per 32-block, up to float32
 // summation order (tests/test_quant_linear.py). Not bit-equal to the AMX tiles (bf16 x, bf16-rounded
-// weights) above 4 rows, as the bf16 dot products this replaces were not either.
+// weights) above 8 rows, as the bf16 dot products this replaces were not either.
 //
 // Why int8 and not bf16 dot products: a 64-byte line of 4-bit codes (128 weights) is 2 VPDPBUSD here against
 // 4 VDPBF16PS plus the decoding to bf16 (~20 instructions a line, ~18 cycles: 62-67% of a 2-core Xeon's
@@ -65,17 +65,13 @@ inline __m512i byte_quad_index() {
 // of the default model took 16.3 ms without, 8.4 ms at 1 KB / 4 groups ahead, 6.5 ms at 2 KB / 8 groups
 // (2 threads; 4 KB / 16 groups the same, 8 KB / 32 slower).
 constexpr int64_t kPrefetchCodeBytes = 2048, kPrefetchGroups = 8;
-constexpr int64_t kXBlock = 32;  // inputs an activation block (woq_avx2::kBlock)
-
-// x rounded per 32-block (woq_avx2::quantize_row): codes [M, K], block scales d and d x code sums ds [M, K/32]
-struct QuantizedRows {
-  const int8_t* q;
-  const float* d;
-  const float* ds;
-};
+// x rounded per 32-block as the AVX2 kernel rounds it (woq_avx2::quantize_row): codes q [M, K], block scales
+// d and d x code sums ds [M, K/32] (QuantizedX's other fields unused here)
+using woq_avx2::QuantizedX;
+constexpr int64_t kXBlock = woq_avx2::kBlock;
 
 template <int BITS, int M, typename Sc, typename Mn>
-void gemv_subtiles(const QuantizedRows& xr, int64_t K, const uint8_t* codes, const Sc& scales, const Mn& mins,
+void gemv_subtiles(const QuantizedX& xr, int64_t K, const uint8_t* codes, const Sc& scales, const Mn& mins,
                    const float* bias, int64_t group_size, int64_t N, at::BFloat16* out, int64_t ns_begin,
                    int64_t ns_end) {
   const int64_t groups = K / group_size, blocks_per_group = group_size / kXBlock, nb = K / kXBlock;
@@ -139,7 +135,7 @@ void gemv_subtiles(const QuantizedRows& xr, int64_t K, const uint8_t* codes, con
 
 // out[M, N] (row stride N) = x[M, K] (row stride K) @ W^T for output subtiles [ns_begin, ns_end), M 1..4.
 template <typename Sc, typename Mn>
-void gemv_pass(int64_t M, int64_t bits, const QuantizedRows& x, int64_t K, const uint8_t* codes, const Sc& scales,
+void gemv_pass(int64_t M, int64_t bits, const QuantizedX& x, int64_t K, const uint8_t* codes, const Sc& scales,
                const Mn& mins, const float* bias, int64_t group_size, int64_t N, at::BFloat16* out, int64_t ns_begin,
                int64_t ns_end) {
 #define WOQ_GEMV_CASE(B, R) \
@@ -156,7 +152,7 @@ void gemv_pass(int64_t M, int64_t bits, const QuantizedRows& x, int64_t K, const
 constexpr int64_t kGemvPassRows = 4, kSpanBytes = 64 << 10;
 
 template <typename Sc, typename Mn>
-void gemv(int64_t M, int64_t bits, const QuantizedRows& x, int64_t K, const uint8_t* codes, const Sc& scales,
+void gemv(int64_t M, int64_t bits, const QuantizedX& x, int64_t K, const uint8_t* codes, const Sc& scales,
           const Mn& mins, const float* bias, int64_t group_size, int64_t N, at::BFloat16* out, int64_t ns_begin,
           int64_t ns_end) {
   if (M <= kGemvPassRows)
@@ -164,7 +160,7 @@ void gemv(int64_t M, int64_t bits, const QuantizedRows& x, int64_t K, const uint
   const int64_t nb = K / kXBlock, span = std::max<int64_t>(1, kSpanBytes / (K * kTile * bits / 8));
   for (int64_t ns = ns_begin; ns < ns_end; ns += span)
     for (int64_t r = 0; r < M; r += kGemvPassRows) {
-      const QuantizedRows rows{x.q + r * K, x.d + r * nb, x.ds + r * nb};
+      const QuantizedX rows{x.q + r * K, x.d + r * nb, x.ds + r * nb, K};
       gemv_pass(std::min(kGemvPassRows, M - r), bits, rows, K, codes, scales, mins, bias, group_size, N,
                 out + r * N, ns, std::min(ns + span, ns_end));
     }
@@ -185,7 +181,7 @@ inline void gemv_into(int64_t M, int64_t bits, const at::BFloat16* x, int64_t K,
   q.resize(M * K), d.resize(M * K / kXBlock), ds.resize(M * K / kXBlock);
   for (int64_t m = 0; m < M; ++m)
     woq_avx2::quantize_row(x + m * K, K, q.data() + m * K, d.data() + m * K / kXBlock, ds.data() + m * K / kXBlock);
-  const QuantizedRows xr{q.data(), d.data(), ds.data()};
+  const QuantizedX xr{q.data(), d.data(), ds.data(), K};
   with_groups(scales, mins, K / group_size, [&](const auto& sc, const auto& mn) {
     at::parallel_for(0, N / kTile, grain, [&](int64_t begin, int64_t end) {
       gemv(M, bits, xr, K, c, sc, mn, bias, group_size, N, out, begin, end);
