@@ -11,6 +11,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from pagedllm import ops
 from pagedllm.config import ModelConfig
+from pagedllm.errors import InputError
 from pagedllm.quantization import gguf_blocks
 from pagedllm.quantization.gguf_native import gguf_quant_linear
 from pagedllm.quantization.linear import QuantLinear
@@ -179,7 +180,7 @@ def test_two_level_layout_runs_the_float_layout_bit_for_bit(type_name):
         )
     merged = QuantLinear.concat(parts)
     merged.pack(torch.bfloat16)
-    if merged.kernel is not None and merged.kernel.name == "avx2":
+    if merged.kernel is not None and merged.kernel.name in ("avx2", "amx"):
         assert merged.layout[1].dtype == torch.uint8
         # packed parts merge by joining their layouts (nothing unpacked): the same layout
         for part in parts:
@@ -212,3 +213,38 @@ def test_unserved_types_are_named_with_their_float_cost():
     msg = unserved_message(rows)
     assert "2 tensors of type IQ2_XS, Q3_K" in msg and "0 MiB" in msg and "down_proj" in msg
     assert unserved({k: v for k, v in tensors.items() if v[0] in ("Q4_K", "F32")}, torch.bfloat16) == []
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K", "Q5_0", "Q6_K"])
+@pytest.mark.parametrize("backend", ["amx", "avx2", "torch-packed", "torch"])
+def test_packed_from_codes_is_from_codes_then_pack(type_name, backend):
+    """A GGUF load builds a kernel's layout straight from the decoded codes (QuantLinear.packed_from_codes:
+    the stored form never made): the same kernel, the same layout bit for bit, the same outputs as from_codes
+    + pack."""
+    if backend in ("amx", "avx2") and ops.kernel("quantized_linear", f"woq_{backend}") is None:
+        pytest.skip(f"no {backend} kernel on this CPU (or no compiler)")
+    shape = (64, 256)
+    raw = random_blocks(type_name, *shape, seed=11)
+    codes, scales, mins, bits, group = (
+        torch.from_numpy(t) if isinstance(t, np.ndarray) else t
+        for t in gguf_blocks.decode(type_name, raw, shape)
+    )
+    superblocks = gguf_blocks.super_blocks(type_name, raw, shape)
+    bias = torch.randn(shape[0])
+    with ops.forced(quantized_linear=backend):
+        want = QuantLinear.from_codes(codes, scales, mins, bits, group, bias)
+        want.superblocks = superblocks
+        want.pack(torch.bfloat16)
+        got = QuantLinear.packed_from_codes(
+            codes, scales, mins, bits, group, torch.bfloat16, superblocks, bias
+        )
+        assert got.kernel is want.kernel and got._packed_for == want._packed_for
+        assert len(got.layout) == len(want.layout)
+        assert all(torch.equal(a, b) for a, b in zip(got.layout, want.layout, strict=True))
+        assert (got.qweight is None) == (want.qweight is None)
+        reference = gguf_dequantize(raw, GGMLQuantizationType[type_name]).reshape(shape)
+        assert np.array_equal(got.dequantize_weight(torch.float32).numpy(), reference)
+        x = torch.randn(3, shape[1]).bfloat16()
+        assert torch.equal(got(x), want(x))
+    with pytest.raises(InputError, match="scales"):
+        QuantLinear.packed_from_codes(codes, scales[:, :2], mins, bits, group, torch.bfloat16)

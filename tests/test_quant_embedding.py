@@ -43,18 +43,23 @@ def test_rows_are_the_dequantized_weight_rows(type_name, packed):
     ops.kernel("quantized_linear", "woq_avx2") is None, reason="no AVX2 kernel on this machine"
 )
 @pytest.mark.parametrize("type_name", ["Q6_K", "Q4_0"])
-def test_a_big_weight_built_slice_by_slice_is_the_whole_one(type_name, monkeypatch):
-    """packed_gguf_linear builds a big weight in row slices (no full-size transient): the same layout."""
+@pytest.mark.parametrize("rows", [300, 320])
+def test_a_big_weight_built_slice_by_slice_is_the_whole_one(type_name, rows, monkeypatch):
+    """packed_gguf_linear builds a big weight in row slices (no full-size transient): the same layout, on
+    the kernel the whole weight takes (at the amx tier 320 Q4_0 rows stack AMX slices; 300 rows, not a
+    whole number of its 16-row tiles, take the AVX2 kernel, which the last slice alone would not)."""
     import pagedllm.quantization.gguf_native as native
 
-    raw = random_blocks(type_name, 300, 256, seed=5)
-    whole = gguf_quant_linear("model.layers.0.mlp.down_proj", type_name, raw, (300, 256), CFG)
+    raw = random_blocks(type_name, rows, 256, seed=5)
+    whole = gguf_quant_linear("model.layers.0.mlp.down_proj", type_name, raw, (rows, 256), CFG)
     whole.pack(torch.bfloat16)
     monkeypatch.setattr(native, "SLICE_WEIGHTS", 64 * 256)  # slices of 64 rows
     sliced = packed_gguf_linear(
-        "model.layers.0.mlp.down_proj", type_name, raw, (300, 256), CFG, torch.bfloat16
+        "model.layers.0.mlp.down_proj", type_name, raw, (rows, 256), CFG, torch.bfloat16
     )
     assert sliced.kernel is whole.kernel and sliced.qweight is None
+    amx_takes = ops.backend("quantized_linear") == "amx" and type_name == "Q4_0" and rows % 16 == 0
+    assert sliced.kernel.name == ("amx" if amx_takes else "avx2")
     for a, b in zip(sliced.layout, whole.layout):
         assert torch.equal(a, b)
     x = torch.randn(3, 256).bfloat16()

@@ -22,17 +22,18 @@ def supports(bits: int, in_features: int, out_features: int, group_size: int | N
     return bits in (4, 8) and in_features % 32 == 0 and group % 32 == 0 and out_features % 16 == 0
 
 
-def tile_order(w: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [N/16, K/2, 32]: each 16 output columns' values for the input pair (2p, 2p+1) in
-    TDPBF16PS's B-tile order e = 2n + k % 2."""
-    n, k = w.shape
-    return w.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(n // 16, k // 2, 32)
+def tile_order(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] -> int16 [N/16, K/2, 16]: each 16 output columns' codes for the input pair (2p, 2p+1), one
+    int16 a column (the two bytes in k order), so their bytes are TDPBF16PS's B-tile order e = 2n + k % 2.
+    Moving pairs as int16 makes the transpose a plain 2-byte one (3x the speed of permuting bytes)."""
+    n, k = codes.shape
+    return codes.contiguous().view(torch.int16).view(n // 16, 16, k // 2).transpose(1, 2).contiguous()
 
 
-def from_tile_order(t: torch.Tensor) -> torch.Tensor:
-    """tile_order's inverse: [N/16, K/2, 32] -> [N, K]."""
-    n16, k2 = t.shape[:2]
-    return t.view(n16, k2, 16, 2).permute(0, 2, 1, 3).reshape(n16 * 16, k2 * 2).contiguous()
+def from_tile_order(pairs: torch.Tensor) -> torch.Tensor:
+    """tile_order's inverse: int16 [N/16, K/2, 16] -> uint8 [N, K]."""
+    n16, k2 = pairs.shape[:2]
+    return pairs.transpose(1, 2).reshape(n16 * 16, k2).contiguous().view(torch.uint8)
 
 
 def pack_codes(
@@ -50,12 +51,10 @@ def pack_codes(
     [N/16, groups / sb, 32 + 16 sb], per super-block the 16 columns' float16 d, then sb groups x 16 int8 codes;
     0.625 bits a weight for both), float16 [N/16, groups, 16] each, else float32 (2 bits a weight)."""
     n, k = codes.shape
-    e_order = tile_order(codes)
-    if bits == 4:
-        packed = e_order[..., :16] | (e_order[..., 16:] << 4)
-    else:
-        packed = e_order
-    packed = packed.to(torch.uint8).contiguous()
+    pairs = tile_order(codes.to(torch.uint8))
+    if bits == 4:  # byte e < 16 takes e's code low and e + 16's high: as int16, column n's pair and n + 8's
+        pairs = pairs[..., :8] | (pairs[..., 8:] << 4)  # (codes < 16: no bit crosses into the next byte)
+    packed = pairs.view(torch.uint8).contiguous()
     groups = scales.shape[1]
 
     def by_subtile(t: torch.Tensor) -> torch.Tensor:
@@ -85,8 +84,10 @@ def pack_codes(
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """pack_codes' codes back to uint8 [N, K] (the inverse permutation)."""
-    e_order = torch.cat((packed & 0x0F, packed >> 4), dim=-1) if bits == 4 else packed
-    return from_tile_order(e_order)
+    pairs = packed.contiguous().view(torch.int16)
+    if bits == 4:  # the low nibbles are columns 0-7's pairs, the high ones 8-15's
+        pairs = torch.cat((pairs & 0x0F0F, (pairs >> 4) & 0x0F0F), dim=-1)
+    return from_tile_order(pairs)
 
 
 def rows(

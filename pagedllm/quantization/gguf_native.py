@@ -17,6 +17,9 @@ move together), so unpermuting them is exact.
 
 from __future__ import annotations
 
+import contextvars
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
 
@@ -78,8 +81,10 @@ def gguf_quant_linear(
     shape: tuple[int, ...],
     config: ModelConfig,
     bias: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> QuantLinear:
-    """One HF-named linear (e.g. model.layers.0.self_attn.q_proj) from its raw GGUF blocks."""
+    """One HF-named linear (e.g. model.layers.0.self_attn.q_proj) from its raw GGUF blocks; with `dtype`,
+    packed for activations of that dtype (QuantLinear.packed_from_codes)."""
     codes, scales, mins, bits, group = _decode(type_name, raw, shape)
     superblocks = gguf_blocks.super_blocks(type_name, raw, shape)
     if registry.get(config.architecture).gguf_permuted_qk and (".q_proj" in name or ".k_proj" in name):
@@ -94,6 +99,8 @@ def gguf_quant_linear(
             superblocks = type(sb)(
                 sb.groups, rows(sb.d), rows(sb.scale_codes), rows(sb.dmin), rows(sb.min_codes)
             )
+    if dtype is not None:
+        return QuantLinear.packed_from_codes(codes, scales, mins, bits, group, dtype, superblocks, bias, name)
     layer = QuantLinear.from_codes(codes, scales, mins, bits, group, bias, name)
     layer.superblocks = superblocks
     return layer
@@ -117,23 +124,25 @@ def packed_gguf_linear(
     """gguf_quant_linear, packed for `dtype` activations; a big weight slice by slice of rows where the
     kernel's layout stacks (QuantLinear.stack_packed), each slice's file pages given back as it is built."""
     rows, cols = shape
-    step = max(8, SLICE_WEIGHTS // cols // 8 * 8)
+    step = max(64, SLICE_WEIGHTS // cols // 64 * 64)  # whole row groups of every kernel (ROW_ALIGN)
     permuted = registry.get(config.architecture).gguf_permuted_qk and (".q_proj" in name or ".k_proj" in name)
     parts: list[QuantLinear] = []
     if rows > step and not permuted:  # q / k rows are unpermuted per head: those are built whole
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
-            part = gguf_quant_linear(name, type_name, raw[r0:r1], (r1 - r0, cols), config)
-            part.pack(dtype)
+            part = gguf_quant_linear(name, type_name, raw[r0:r1], (r1 - r0, cols), config, dtype=dtype)
             drop_file_pages(raw)
-            if part.kernel is None or not part.kernel.stacks_rows or part.kernel.ROW_ALIGN > step:
-                parts = []  # this kernel's layout does not stack: build it whole
+            if (
+                part.kernel is None
+                or not part.kernel.stacks_rows
+                or (parts and part.kernel is not parts[0].kernel)
+            ):
+                parts = []  # this kernel's layout does not stack, or the last slice's shape took another: whole
                 break
             parts.append(part)
-    if parts:
+    if parts and QuantLinear.stacks(parts):
         return QuantLinear.stack_packed(parts, bias, name)
-    layer = gguf_quant_linear(name, type_name, raw, shape, config, bias)
-    layer.pack(dtype)
+    layer = gguf_quant_linear(name, type_name, raw, shape, config, bias, dtype)
     drop_file_pages(raw)
     return layer
 
@@ -151,16 +160,25 @@ def prebuilt_linears(
     table is the lm_head too. With a `cache`, a layout found there is taken as it is (no block decoded)
     and one built is kept for it. {module name: module}."""
     modules: dict[str, torch.nn.Module] = {}
+    found: dict[str, QuantLinear | None] = {}
+    jobs = []
     for name, (type_name, raw, shape) in gguf_tensors.items():
         if not name.endswith(".weight") or name in weights:
             continue
         module = name.removesuffix(".weight")
         bias = weights.pop(module + ".bias", None)
-        layer = cache.get(module, shape, bias) if cache else None
-        if layer is None:
-            layer = packed_gguf_linear(module, type_name, raw, shape, config, dtype, bias)
+        found[module] = cache.get(module, shape, bias) if cache else None
+        if found[module] is None:
+            jobs.append((module, type_name, raw, shape, config, dtype, bias))
+    # Decoding and packing run in numpy and torch ops that release the GIL, much of it single-threaded:
+    # one tensor a thread (the op table's thread count) builds a 1B file ~1.6x as fast on 2 cores.
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        futures = [pool.submit(contextvars.copy_context().run, packed_gguf_linear, *job) for job in jobs]
+        for job, future in zip(jobs, futures, strict=True):
+            found[job[0]] = future.result()
             if cache:
-                cache.put(module, layer)
+                cache.put(job[0], found[job[0]])
+    for module, layer in found.items():
         if module == "model.embed_tokens":
             modules[module] = _embedding(layer, dtype)
             if config.tie_word_embeddings and _serves_lm_head(layer):

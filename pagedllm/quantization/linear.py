@@ -100,17 +100,55 @@ class QuantLinear(nn.Module):
         """codes uint8 [out, in] in 0..2^bits-1; scales/mins [out, groups]: w = scales * q + mins."""
         out_features, in_features = codes.shape
         layer = cls(in_features, out_features, bits, group_size, bias is not None, name)
-        groups = layer.scales.shape[1]
-        if tuple(scales.shape) != (out_features, groups) or tuple(mins.shape) != (out_features, groups):
-            raise InputError(
-                f"layer {name or '?'}: scales {tuple(scales.shape)} / mins {tuple(mins.shape)} must be "
-                f"[{out_features}, {groups}] for group_size {group_size}",
-                param="scales",
-            )
+        layer._check_scales(scales, mins)
         layer._store(codes, scales, mins)
         if bias is not None:
             layer.bias = bias.detach().to(torch.float32).clone()
         return layer
+
+    @classmethod
+    def packed_from_codes(
+        cls,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor,
+        bits: int,
+        group_size: int | None,
+        dtype: torch.dtype,
+        superblocks: SuperBlocks | None = None,
+        bias: torch.Tensor | None = None,
+        name: str = "",
+    ) -> QuantLinear:
+        """from_codes, then pack(dtype): where the kernel's layout holds the weight it is built from `codes`
+        as given and the stored form never exists (a GGUF load skips a round trip through pack.py's nibbles:
+        ~15% of a first load)."""
+        out_features, in_features = codes.shape
+        with torch.device("meta"):  # only to ask which kernel takes this shape
+            probe = cls(in_features, out_features, bits, group_size, name=name)
+        probe._check_scales(scales, mins)
+        kernel = woq_kernels.choose(probe, dtype)
+        if kernel is None or not kernel.holds_weight:
+            layer = cls.from_codes(codes, scales, mins, bits, group_size, bias, name)
+            layer.superblocks = superblocks
+            layer.pack(dtype)
+            return layer
+        layout = kernel.pack_codes(codes.to(torch.uint8), scales.float(), mins.float(), bits, superblocks)
+        packed_for = (dtype, ops.backend("quantized_linear"))
+        return cls.from_layout(
+            kernel, layout, in_features, out_features, bits, group_size, packed_for, bias, name
+        )
+
+    def _check_scales(self, scales: torch.Tensor, mins: torch.Tensor) -> None:
+        groups = self.scales.shape[1]
+        if tuple(scales.shape) != (self.out_features, groups) or tuple(mins.shape) != (
+            self.out_features,
+            groups,
+        ):
+            raise InputError(
+                f"layer {self.name or '?'}: scales {tuple(scales.shape)} / mins {tuple(mins.shape)} must be "
+                f"[{self.out_features}, {groups}] for group_size {self.group_size}",
+                param="scales",
+            )
 
     @classmethod
     def from_quantized(
@@ -150,7 +188,7 @@ class QuantLinear(nn.Module):
         bias = None
         if any(m.bias is not None for m in layers):
             bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features) for m in layers])
-        if cls._stacks(layers):  # the kernel layouts joined as they are: nothing unpacked or packed again
+        if cls.stacks(layers):  # the kernel layouts joined as they are: nothing unpacked or packed again
             return cls.stack_packed(layers, bias, name)
         parts = [m.scales_and_mins() for m in layers]
         superblocks = SuperBlocks.cat([m.superblocks_now() for m in layers])
@@ -167,7 +205,7 @@ class QuantLinear(nn.Module):
         return layer
 
     @staticmethod
-    def _stacks(parts: list[QuantLinear]) -> bool:
+    def stacks(parts: list[QuantLinear]) -> bool:
         """Whether stack_packed can join these layers: one kernel's stackable layouts, packed alike."""
         kernel = parts[0].kernel
         return (
@@ -187,7 +225,7 @@ class QuantLinear(nn.Module):
         weight built slice by slice, so no full-size transient of it ever exists."""
         first = parts[0]
         kernel = first.kernel
-        if not cls._stacks(parts):
+        if not cls.stacks(parts):
             raise ValueError(
                 "stack_packed: the parts must be packed alike by one kernel whose layouts stack, every part "
                 "but the last a whole number of its row groups"

@@ -14,11 +14,13 @@ no kernel takes it, or inside forced(quantized_linear="torch"), the torch refere
                        weight dequantized per call above KERNEL_MAX_ROWS: CPUs below avx2, odd shapes
 
 The AMX and AVX2 layouts hold the codes, scales and mins exactly (`holds_weight`), so the stored copy is
-dropped once they are built and rebuilt from them on demand (`unpack`).
+dropped once they are built and rebuilt from them on demand (`unpack`); both are led by row groups
+(RowStackedKernel), so a fused q/k/v or a big weight built in slices joins its parts' layouts as they are.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 from typing import TYPE_CHECKING
 
@@ -93,8 +95,48 @@ class WoqKernel:
         return False
 
 
-class AmxKernel(WoqKernel):
+class RowStackedKernel(WoqKernel):
+    """A kernel whose layout is (codes, scales, mins), each led by row groups of ROW_ALIGN output rows, the
+    mins kept either in the scales' form or as one factor c (mins = c x scales): row slices join by
+    concatenating them (a fused q/k/v, a big weight built slice by slice), nothing unpacked."""
+
+    stacks_rows = True
+    packer: Callable[..., Layout]  # the layout module's pack(codes, scales, mins, bits, superblocks)
+
+    def pack(self, layer: QuantLinear) -> Layout:
+        codes, (scales, mins) = layer.codes(), layer.scales_and_mins()
+        return self.pack_codes(codes, scales, mins, layer.bits, layer.superblocks)
+
+    def pack_codes(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor,
+        bits: int,
+        superblocks: SuperBlocks | None,
+    ) -> Layout:
+        """The layout of codes uint8 [out, in] with scales / mins float32 [out, groups] (what pack() reads
+        from a layer; QuantLinear.packed_from_codes passes them without building the stored form)."""
+        return self.packer(codes, scales, mins, bits, superblocks)
+
+    def stackable(self, layouts: list[Layout]) -> bool:
+        # derived mins (one factor c each, the same form in both layouts) join only where every part has
+        # the same c
+        if len({avx2.min_factor(layout) for layout in layouts}) != 1:
+            return False
+        return all(
+            len({(t.dtype, tuple(t.shape[1:])) for t in parts}) == 1 for parts in zip(*layouts, strict=True)
+        )
+
+    def stack(self, layouts: list[Layout]) -> Layout:
+        codes, scales, mins = (torch.cat(parts) for parts in zip(*layouts))  # row groups lead every tensor
+        return codes, scales, layouts[0][2] if avx2.min_factor(layouts[0]) is not None else mins
+
+
+class AmxKernel(RowStackedKernel):
     name, holds_weight, indexes_rows = "amx", True, True
+    ROW_ALIGN = 16  # a B tile's output columns
+    packer = staticmethod(amx.pack_codes)
 
     def __init__(self, ext):
         self.ext = ext
@@ -103,10 +145,6 @@ class AmxKernel(WoqKernel):
         return dtype == torch.bfloat16 and amx.supports(
             layer.bits, layer.in_features, layer.out_features, layer.group_size
         )
-
-    def pack(self, layer: QuantLinear) -> Layout:
-        codes, (scales, mins) = layer.codes(), layer.scales_and_mins()
-        return amx.pack_codes(codes, scales, mins, layer.bits, layer.superblocks)
 
     def unpack(self, layer: QuantLinear):
         codes, scales, mins = layer.layout
@@ -124,30 +162,15 @@ class AmxKernel(WoqKernel):
         return fn(x, *layer.layout, bias, layer.bits, layer.group, layer.out_features)
 
 
-class Avx2Kernel(WoqKernel):
-    name, holds_weight, indexes_rows, stacks_rows = "avx2", True, True, True
+class Avx2Kernel(RowStackedKernel):
+    name, holds_weight, indexes_rows = "avx2", True, True
     ROW_ALIGN = avx2.COLS  # a panel's columns
-
-    def stackable(self, layouts: list[Layout]) -> bool:
-        # derived mins (one factor c each: avx2.min_factor) join only where every part has the same c
-        if len({avx2.min_factor(layout) for layout in layouts}) != 1:
-            return False
-        return all(
-            len({(t.dtype, tuple(t.shape[1:])) for t in parts}) == 1 for parts in zip(*layouts, strict=True)
-        )
-
-    def stack(self, layouts: list[Layout]) -> Layout:
-        codes, scales, mins = (torch.cat(parts) for parts in zip(*layouts))  # panels lead every tensor
-        return codes, scales, layouts[0][2] if avx2.min_factor(layouts[0]) is not None else mins
+    packer = staticmethod(avx2.pack)
 
     def supports(self, layer: QuantLinear, dtype: torch.dtype) -> bool:
         return dtype in (torch.float32, torch.bfloat16) and avx2.supports(
             layer.bits, layer.in_features, layer.out_features, layer.group_size
         )
-
-    def pack(self, layer: QuantLinear) -> Layout:
-        codes, (scales, mins) = layer.codes(), layer.scales_and_mins()
-        return avx2.pack(codes, scales, mins, layer.bits, layer.superblocks)
 
     def unpack(self, layer: QuantLinear):
         return avx2.unpack(layer.layout, layer.bits, layer.out_features, layer.in_features, layer.group_size)

@@ -96,6 +96,24 @@ class _Cursor:
     def string(self) -> str:
         return bytes(self.take(self.scalar("Q"))).decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """`count` strings in a row (a vocabulary: 128K of them in Llama-3's), read in one loop: string()
+        a time cost ~1 s for a 49K-token vocabulary."""
+        buf, pos, end, out = self.buf, self.pos, len(self.buf), []
+        length = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                self.pos = pos
+                self.take(8)  # raises: truncated
+            (n,) = length(buf, pos)
+            if pos + 8 + n > end:
+                self.pos = pos + 8
+                self.take(n)
+            out.append(str(buf[pos + 8 : pos + 8 + n], "utf-8", "replace"))
+            pos += 8 + n
+        self.pos = pos
+        return out
+
     def value(self, vtype: int) -> Any:
         if vtype in _SCALAR:
             return self.scalar(_SCALAR[vtype])
@@ -107,7 +125,7 @@ class _Cursor:
                 dt = np.dtype(_NUMPY[etype])
                 return np.frombuffer(self.take(count * dt.itemsize), dtype=dt).copy()
             if etype == 8:
-                return [self.string() for _ in range(count)]
+                return self.strings(count)
             return [self.value(etype) for _ in range(count)]
         raise _corrupt(self.path, f"unknown value type {vtype} at offset {self.pos}")
 
