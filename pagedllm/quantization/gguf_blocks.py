@@ -104,7 +104,7 @@ def decode(type_name: str, raw: np.ndarray, shape: tuple[int, int]):
     b = np.ascontiguousarray(raw).reshape(rows, cols // per_block, nbytes)
     if type_name == "Q6_K":
         codes, scales, mins = _q6_k(b, rows, cols)
-        return codes.astype(np.uint8), scales.astype(np.float32), mins.astype(np.float32), bits, group
+        return codes.astype(np.uint8, copy=False), scales.astype(np.float32, copy=False), mins, bits, group
     if type_name in ("Q4_K", "Q5_K"):
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
         sc, m = _k_scales_mins(b[..., 4:16])
@@ -117,15 +117,15 @@ def decode(type_name: str, raw: np.ndarray, shape: tuple[int, int]):
             shifts = np.arange(8, dtype=np.uint8).reshape(4, 2, 1)
             codes = codes | (((qh[:, :, None, None, :] >> shifts) & 1) << 4)
         return (
-            codes.reshape(rows, cols).astype(np.uint8),
-            scales.reshape(rows, -1).astype(np.float32),
-            mins.reshape(rows, -1).astype(np.float32),
+            codes.reshape(rows, cols).astype(np.uint8, copy=False),
+            scales.reshape(rows, -1).astype(np.float32, copy=False),
+            mins.reshape(rows, -1).astype(np.float32, copy=False),
             bits,
             group,
         )
     d = _f16(b[..., 0:2])
     if type_name == "Q8_0":
-        codes = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        codes = b[..., 2:] ^ np.uint8(0x80)  # int8 q + 128 as a byte: the sign bit flipped
         mins = -128 * d
     elif type_name == "Q4_0":
         codes, mins = _low_high(b[..., 2:]), -8 * d
@@ -135,7 +135,13 @@ def decode(type_name: str, raw: np.ndarray, shape: tuple[int, int]):
         codes, mins = _low_high(b[..., 6:]) | (_fifth_bits(b[..., 2:6]) << 4), -16 * d
     else:  # Q5_1
         codes, mins = _low_high(b[..., 8:]) | (_fifth_bits(b[..., 4:8]) << 4), _f16(b[..., 2:4])
-    return codes.reshape(rows, cols).astype(np.uint8), d, mins.astype(np.float32), bits, group
+    return (
+        codes.reshape(rows, cols).astype(np.uint8, copy=False),
+        d,
+        mins.astype(np.float32, copy=False),
+        bits,
+        group,
+    )
 
 
 @dataclass
