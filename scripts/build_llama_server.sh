@@ -8,14 +8,22 @@
 # where pagedllm looks by default; nothing is done when the binary is already there. About 25 minutes on
 # 2 cores. Needs cmake, a C++ compiler and pip (to download the sdist).
 # Knobs: LLAMA_CPP_PYTHON_VERSION, PAGEDLLM_LLAMA_CACHE (default ~/.cache/pagedllm/llama.cpp/<version>),
-# JOBS (default: nproc), PIP (default: python3 -m pip).
+# JOBS (default: nproc), PIP (default: python3 -m pip), LLAMA_ISA: "native" (default) or "avx2", a build for
+# AVX2 + FMA only (no AVX-512, no AMX) in $CACHE/bin-avx2/: the peer of pagedllm capped with
+# PAGEDLLM_CPU_ISA=avx2 on a bigger CPU (`PAGEDLLM_LLAMA_SERVER=$CACHE/bin-avx2/llama-server`).
 set -euo pipefail
 
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}  # keep in step with pagedllm/bench/llamacpp_server.py
 CACHE=${PAGEDLLM_LLAMA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pagedllm/llama.cpp/$VERSION}
 JOBS=${JOBS:-$(nproc)}
 PIP=${PIP:-python3 -m pip}
-BIN="$CACHE/bin/llama-server"
+ISA=${LLAMA_ISA:-native}
+case "$ISA" in
+    native) OUT="$CACHE/bin" ;;
+    avx2) OUT="$CACHE/bin-avx2" ;;
+    *) echo "error: LLAMA_ISA must be native or avx2, got $ISA" >&2; exit 2 ;;
+esac
+BIN="$OUT/llama-server"
 
 if [ -x "$BIN" ]; then
     echo "llama-server is already built: $BIN"
@@ -40,17 +48,25 @@ NO_AMX=""
 if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
     NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 fi
-cmake -S "$LLAMA" -B "$LLAMA/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
+CPU_FLAGS=(-DGGML_NATIVE=ON)
+BUILD="$LLAMA/build"
+if [ "$ISA" = avx2 ]; then  # what ggml's own x86 variants call haswell: AVX2, FMA, F16C, BMI2
+    CPU_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+        -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF)
+    BUILD="$LLAMA/build-avx2"
+    NO_AMX=""
+fi
+cmake -S "$LLAMA" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF "${CPU_FLAGS[@]}" \
     -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
-cmake --build "$LLAMA/build" --target llama-server llama-quantize -j "$JOBS"
+cmake --build "$BUILD" --target llama-server llama-quantize -j "$JOBS"
 
 # the binary and its shared libraries (libllama, libggml*, libmtmd) side by side: pagedllm runs it with
 # LD_LIBRARY_PATH set to that folder, so the build tree may be deleted afterwards
-mkdir -p "$CACHE/bin"
-cp -a "$LLAMA/build/bin/"*.so* "$CACHE/bin/" 2>/dev/null || true  # -a: the .so -> .so.0 links stay links
-cp "$LLAMA/build/bin/llama-quantize" "$CACHE/bin/llama-quantize"
-cp "$LLAMA/build/bin/llama-server" "$BIN.tmp"
+mkdir -p "$OUT"
+cp -a "$BUILD/bin/"*.so* "$OUT/" 2>/dev/null || true  # -a: the .so -> .so.0 links stay links
+cp "$BUILD/bin/llama-quantize" "$OUT/llama-quantize"
+cp "$BUILD/bin/llama-server" "$BIN.tmp"
 mv "$BIN.tmp" "$BIN"  # last, so that a half-finished copy never counts as built
-LD_LIBRARY_PATH="$CACHE/bin" "$BIN" --version
+LD_LIBRARY_PATH="$OUT" "$BIN" --version
 echo "built $BIN"
