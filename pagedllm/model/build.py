@@ -102,7 +102,7 @@ def build_model(
         prebuilt = {}
         if gguf:  # the packed layouts of a big file come from the layout cache after its first load
             cache = LayoutCache.for_file(ckpt.path, dtype)
-            prebuilt = prebuilt_linears(ckpt.gguf_tensors, ckpt.weights, config, dtype, cache)
+            prebuilt = prebuilt_linears(ckpt.gguf_tensors, ckpt.weights, config, dtype, cache, show_progress)
             if cache is not None:
                 cache.save()
         model = model_class(config).from_weights(config, ckpt.weights, dtype, modules=prebuilt)
