@@ -421,6 +421,22 @@ def test_truncated_default_file(tmp_path, default_path):
         read_model_config(cut)
 
 
+def test_a_header_cut_inside_the_vocabulary_is_refused(tmp_path, default_path):
+    """The token strings are read in one loop (_Cursor.strings): the gguf package's strings, and a file that
+    ends inside a string's length or its bytes is refused as truncated, never read past its end."""
+    field = gguf.GGUFReader(str(default_path)).fields["tokenizer.ggml.tokens"]
+    theirs = [str(bytes(field.parts[i]), "utf-8") for i in field.data]
+    assert read_gguf_header(default_path, with_tensors=False).metadata["tokenizer.ggml.tokens"] == theirs
+    assert field.offset < 200_000 < field.offset + sum(part.nbytes for part in field.parts)
+    with open(default_path, "rb") as f:
+        head = f.read(200_016)
+    cut = tmp_path / "cut.gguf"
+    for end in range(200_000, 200_016):  # 16 consecutive ends: some inside a length, some inside the bytes
+        cut.write_bytes(head[:end])
+        with pytest.raises(InputError, match="truncated or corrupt GGUF file"):
+            read_gguf_header(cut, with_tensors=False)
+
+
 def test_truncated_tensor_data(tmp_path):
     rng = np.random.default_rng(5)
     hf = _hf_weights(rng, 1, 64, 4, 2, 96, 8)

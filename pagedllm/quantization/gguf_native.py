@@ -133,14 +133,12 @@ def packed_gguf_linear(
             r1 = min(rows, r0 + step)
             part = gguf_quant_linear(name, type_name, raw[r0:r1], (r1 - r0, cols), config, dtype=dtype)
             drop_file_pages(raw)
-            if (
-                part.kernel is None
-                or not part.kernel.stacks_rows
-                or (parts and part.kernel is not parts[0].kernel)
-            ):
-                parts = []  # this kernel's layout does not stack, or the last slice's shape took another: whole
+            if part.kernel is None or not part.kernel.stacks_rows:
+                parts = []  # this kernel's layout does not stack: build it whole
                 break
             parts.append(part)
+    # the slices stack where one kernel took them all (a last slice of another shape may take another kernel
+    # than the whole weight would: then it is built whole too)
     if parts and QuantLinear.stacks(parts):
         return QuantLinear.stack_packed(parts, bias, name)
     layer = gguf_quant_linear(name, type_name, raw, shape, config, bias, dtype)
