@@ -114,7 +114,14 @@ def test_real_server_health_goes_503_then_200_and_stays(tmp_path):
         "--model", "default", "--host", "127.0.0.1", "--port", str(port),
         "--num-kv-blocks", "64", "--max-num-seqs", "4", "--max-model-len", "512", "--log-level", "warning",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # The API has no WebSocket route, so the server must not need a websockets library: this one imports
+    # but lacks a module (as a half-installed one did on a CI machine), and the server starts all the same.
+    broken = tmp_path / "broken_site" / "websockets"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("")
+    (broken / "server.py").write_text("from .streams import StreamReader  # no streams.py here\n")
+    path = [str(REPO), str(broken.parent), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     log = tmp_path / "server.log"
     url = f"http://127.0.0.1:{port}/health"
     seen: list[int] = []  # status codes, in order; connection errors are not answers
@@ -145,6 +152,12 @@ def test_real_server_health_goes_503_then_200_and_stays(tmp_path):
         first_ok = seen.index(200)
         assert all(code == 200 for code in seen[first_ok:]), f"503 after a 200: {seen}"
         assert last is not None and last.status_code == 200 and last.json() == {"status": "ok"}
+        # a WebSocket upgrade is answered as plain HTTP (no 101 switch), and the server goes on
+        upgrade = {"Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Version": "13",
+                   "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="}  # fmt: skip
+        r = httpx.get(url, headers=upgrade, timeout=5)
+        assert r.status_code == 200 and r.json() == {"status": "ok"}, r.text
+        assert proc.poll() is None
     finally:
         stop_server(proc)
 

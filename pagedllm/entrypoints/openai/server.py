@@ -438,6 +438,9 @@ def run_server(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
         lifespan="off",
+        # no WebSocket route: uvicorn imports no websockets library (a broken one cannot stop a start) and
+        # answers an upgrade request as plain HTTP
+        ws="none",
         http=guarded_h11_protocol(limits),
         timeout_keep_alive=limits.keep_alive_timeout,
         h11_max_incomplete_event_size=64 * 1024,  # the request line and headers
