@@ -298,7 +298,7 @@ def serve_in_thread(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", ws="none"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     base_url = f"http://127.0.0.1:{port}"

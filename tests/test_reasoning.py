@@ -197,7 +197,9 @@ def serve(engine: AsyncEngine, *flags: str) -> Iterator[ServerInfo]:
     )
     port = free_port()
     # lifespan off: the engine outlives this app (the other apps of the module serve it too)
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    uv = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off", ws="none")
+    )
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     info = ServerInfo(base_url=f"http://127.0.0.1:{port}", model="default")
