@@ -8,6 +8,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
+from quant_helpers import rounded_x
 
 from pagedllm import ops
 from pagedllm.config import ModelConfig
@@ -153,11 +154,19 @@ def test_two_level_layout_runs_the_float_layout_bit_for_bit(type_name):
     assert two[1].dtype == torch.uint8 and flat[1].dtype == torch.float32
     assert two[1].nbytes + two[2].nbytes < 0.4 * (flat[1].nbytes + flat[2].nbytes)  # 1 + 2/sb B, not 4
     assert (avx2.min_factor(two) == -32) == (type_name == "Q6_K") == (avx2.min_factor(flat) == -32)
-    for rows in (1, 5, 33):
+    span = avx2.x_span(two)  # Q4_K: 256 where this build rounds x per super-block, else 32
+    assert avx2.x_span(flat) == 32 and span in (32, 256) and (span == 32 or type_name == "Q4_K")
+    w = torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType[type_name])).double()
+    for rows in (1, 5, 33, 300):  # 300: x is quantized on several threads (matmul_into's parallel_for)
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
             got = avx2.matmul(x, two, None, bits, group, shape[0])
-            assert torch.equal(got, avx2.matmul(x, flat, None, bits, group, shape[0])), (rows, dtype)
+            if span == 32:
+                assert torch.equal(got, avx2.matmul(x, flat, None, bits, group, shape[0])), (rows, dtype)
+            else:  # x rounded per super-block: the float32 product on that x, up to float32 (bf16) rounding
+                emulated = rounded_x(x, span).double() @ w.T
+                err = ((got.double() - emulated).norm() / emulated.norm()).item()
+                assert err < (5e-3 if dtype == torch.bfloat16 else 1e-5), (rows, dtype, err)
     back = avx2.unpack(two, bits, shape[0], shape[1], group)
     for got, want in zip(back, (codes, scales, mins)):
         assert torch.equal(got, want)

@@ -10,7 +10,9 @@ Groups: multiples of 32 inputs (or per channel), and 16 for 8-bit codes (GGUF Q6
 each 32-block's integer dot product and code sum are taken per 16-half, each half with its own scale and min.
 
 Accuracy: that of rounding x to int8 per 32 elements (csrc/woq_avx2.h states the contract, group 16
-included); everything after it is exact in int32 or float32.
+included); everything after it is exact in int32 or float32. GGUF Q4_K's two-level layout rounds x per
+256-input super-block instead where the build has no pairs kernel (avx2 and avx512 tiers: llama.cpp's Q8_K
+activations), so a super-block's groups add up in int32 and the float work is paid once per 256 (x_span).
 
 Measured (scripts/bench_woq_avx2.py: the default model's 120 decoder linears + lm_head, 98.2 MB of layout;
 this 2-core Zen 3 VM shared with other jobs at load average 4-7, so on one thread by CPU time, median of 5):
@@ -239,6 +241,17 @@ def rows(
 
     scales, factor = groups(s), min_factor(layout)
     return c, scales, groups(m) if factor is None else factor * scales  # derived mins: c x the scales
+
+
+def x_span(layout: tuple[torch.Tensor, ...]) -> int:
+    """The inputs over which the kernel rounds x to int8 for this layout: a K-quant super-block (256) for
+    GGUF Q4_K's two-level layout where this build runs panel_kernel_span (llama.cpp's Q8_K activations),
+    else a 32-block (csrc/woq_avx2.h states both contracts)."""
+    ext = ops.kernel("quantized_linear", "woq_avx2")
+    codes, s, _ = layout
+    two_level_q4 = layout_bits(layout) == 4 and s.dtype == torch.uint8 and min_factor(layout) is None
+    groups = (s.shape[2] - 16) // COLS if two_level_q4 else 0
+    return ext.q4k_x_span() if ext is not None and groups * BLOCK == 256 else BLOCK
 
 
 def matmul(

@@ -73,7 +73,12 @@ at::Tensor gemv_fp32(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return out;
 }
 
+// The inputs x is rounded over for a 4-bit layer with two-level scales and mins (GGUF Q4_K) in this build:
+// a super-block (panel_kernel_span) where the pairs kernel does not take the layer, else a 32-block.
+int64_t q4k_x_span() { return woq_avx2::paired(4, false) ? woq_avx2::kBlock : woq_avx2::kBlock * woq_avx2::kSpanGroups; }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q4k_x_span", &q4k_x_span, "inputs x is rounded over for Q4_K's two-level layout (256 or 32)");
   m.def("matmul", &matmul, "x @ (scales * q + mins)^T (+ bias) with int8 activations per 32-block, AVX2");
   m.def("gemv_fp32", &gemv_fp32, "the same for one float32 row with float32 activations (for comparison)");
 }

@@ -17,7 +17,8 @@
 // relative Frobenius error < 1e-5 against the reference computed on x rounded the same way (5e-3 with bf16
 // output), and < 1.5e-2 against the float32 reference with random normal x (typically 2e-3 to 7e-3; one
 // value 100x the rest of its block included). The fp32-activation gemv below is < 1e-5 (kept for
-// measurement, not used: slower).
+// measurement, not used: slower). GGUF Q4_K's two-level layout, where no pairs kernel takes it, rounds x
+// per 256-input super-block instead (llama.cpp's Q8_K; panel_kernel_span states that contract).
 //
 // Group 16 (8-bit codes only: GGUF Q6_K's sub-blocks): the scale and min change in the middle of a
 // 32-input activation block, so the block's integer dot product is taken per 16-input half (vectors 0-3
@@ -155,6 +156,16 @@ inline int32_t hsum(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+// A 4-bit block's 8 weight vectors from its 128 bytes: vector v (0..3) the low nibbles (k = 4v + i), v + 4
+// the high ones (k = 16 + 4v + i), as unsigned bytes 0..15.
+[[gnu::always_inline]] inline void unpack4(const uint8_t* c, __m256i nibble, __m256i (&w)[8]) {
+  for (int v = 0; v < 4; ++v) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * v));
+    w[v] = _mm256_and_si256(raw, nibble);
+    w[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+  }
+}
+
 // The scales (or the mins) of a layer in one of avx2.pack's three forms, read group by group:
 //   float32 or float16 [panels, groups, 8]: one value a group and column (float16 where it holds them all
 //            exactly, as GGUF's d and m do);
@@ -281,6 +292,31 @@ inline void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* ds, 
   }
 }
 
+// One row of x -> int8 codes q [K] rounded per span (a K-quant super-block, 256 inputs for Q4_K: llama.cpp's
+// Q8_K), the span's scale d [K/span], and each 32-block's code sum bsum [K/32] (|sum| <= 32 * 127: int16).
+// The same rounding as quantize_row (scale max|x| / 127, nearest even), over a span instead of 32 inputs.
+template <typename T>
+inline void quantize_row_span(const T* x, int64_t K, int64_t span, int8_t* q, float* d, int16_t* bsum) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+  for (int64_t s = 0; s < K / span; ++s) {
+    const T* xs = x + s * span;
+    __m256 amax = _mm256_setzero_ps();
+    for (int64_t k = 0; k < span; k += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(load8(xs + k), abs_mask));
+    const float am = hmax(amax);
+    const __m256 inv = _mm256_set1_ps(am > 0.f ? 127.f / am : 0.f);
+    d[s] = am / 127.f;
+    for (int64_t b = 0; b < span / kBlock; ++b) {
+      __m256i i[4];
+      for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xs + b * kBlock + 8 * j), inv));
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + s * span + b * kBlock), _mm256_permutevar8x32_epi32(p, order));
+      bsum[s * (span / kBlock) + b] =
+          int16_t(hsum(_mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]))));
+    }
+  }
+}
+
 // x quantized per 32-block: codes [M, K], scales and scaled sums [M, K/32]; for group 16 the scaled sums
 // per 16 [M, K/16] (else nullptr)
 struct QuantizedX {
@@ -291,6 +327,9 @@ struct QuantizedX {
   const float* ds16 = nullptr;
   const int32_t* qs128 = nullptr;  // 128 x each block's code sum [M, K/32]: 8-bit kernels (below)
   const int32_t* corr = nullptr;   // derived mins: c x each block's code sum [M, K/32] ([M, K/16] for group 16)
+  // x rounded per super-block (panel_kernel_span): d is then one scale a span [M, K/span], and bsum each
+  // 32-block's code sum [M, K/32]; nullptr where x is rounded per 32-block
+  const int16_t* bsum = nullptr;
 };
 
 // Rows row0..row0 + R - 1 of the quantized x as every micro-kernel reads them: codes, block scales, the
@@ -357,11 +396,7 @@ inline void panel_kernel(const QuantizedX& a, int64_t row0, const uint8_t* codes
         // the block's 8 unpacked weight vectors stay in registers while each row runs its 8 products
         // into one int16 chain (an earlier row-interleaved form let GCC build an add tree and spill)
         __m256i w[8];
-        for (int v = 0; v < 4; ++v) {
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * v));
-          w[v] = _mm256_and_si256(raw, nibble);
-          w[v + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
-        }
+        unpack4(c, nibble, w);
         for (int r = 0; r < R; ++r) {
           const int8_t* x = xr.q[r] + b * kBlock;
 #ifdef WOQ_VNNI
@@ -494,6 +529,88 @@ inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* co
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(res[r], acc[r]);
 }
 
+// panel_kernel for GGUF Q4_K (4-bit codes, two-level scales and mins, sb groups of 32 a super-block) with x
+// rounded per super-block (quantize_row_span: llama.cpp's Q8_K activations). x then has one scale over the
+// super-block, so its groups' integer dot products add up in int32 before any float work: each group's
+// VPMADDUBSW pair sums go through VPMADDWD against the group's scale codes (the 8 columns' int8 codes, each
+// in both int16 halves of its column's lane) where panel_kernel multiplies by ones, and the float work (a
+// convert, a multiply, an FMA for the scales; the same for the mins) is paid once a super-block instead of
+// once a group: on AVX2 that work shares ports 0 and 1 with VPMADDUBSW, and panel_kernel spends 4 of its
+// ~13 port-0/1 instructions a block and row on it. The mins' term sum_g m_g sum(x_g) is integer too: the min
+// codes of groups 2j and 2j + 1 interleaved as int16 pairs, VPMADDWD against the two blocks' code sums.
+// Bounds: a group's int16 chain at most 8 x 2 x 15 x 127 = 30480 (as panel_kernel's); times a code (|c| <=
+// 127) and summed over a super-block in int32 (< 2^31 for sb <= 256); a block's code sum |.| <= 4064.
+// Accuracy contract: the float32 reference on x rounded per super-block (256 inputs for Q4_K) instead of per
+// 32-block: exact in int32, then float32 rounding (tests/test_woq_avx2.py, SPAN_BOUND).
+#ifndef WOQ_SPAN_ROWS
+#define WOQ_SPAN_ROWS 8
+#endif
+constexpr int kSpanRows = WOQ_SPAN_ROWS;
+constexpr int64_t kSpanGroups = 8;  // Q4_K: 8 groups of 32 a super-block
+template <int R>
+inline void panel_kernel_span(const QuantizedX& a, int64_t row0, const uint8_t* codes, TwoLevelScales sc,
+                              TwoLevelScales mn, int64_t prefetch_groups, float (*res)[kCols]) {
+  constexpr int64_t sb = kSpanGroups;
+  const int64_t nb = a.K / kBlock, spans = nb / sb;
+  const int8_t* xq[R];
+  const float* xd[R];
+  const int16_t* xs[R];
+  for (int r = 0; r < R; ++r) {
+    xq[r] = a.q + (row0 + r) * a.K;
+    xd[r] = a.d + (row0 + r) * spans;
+    xs[r] = a.bsum + (row0 + r) * nb;
+    _mm256_storeu_ps(res[r], _mm256_setzero_ps());
+  }
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int64_t t = 0; t < spans; ++t) {
+    const uint8_t* s_block = sc.p + t * sc.stride;
+    const uint8_t* m_block = mn.p + t * mn.stride;
+    _mm_prefetch(reinterpret_cast<const char*>(sc.addr((t << sc.shift) + prefetch_groups)), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(mn.addr((t << sc.shift) + prefetch_groups)), _MM_HINT_T0);
+    __m256i isum[R];
+    for (int64_t gi = 0; gi < sb; ++gi) {
+      const int64_t b = t * sb + gi;
+      const uint8_t* c = codes + b * 128;
+      for (int64_t line = 0; line < 128; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchBytes + line), _MM_HINT_T0);
+      // the group's 8 scale codes, column c's in int16 lanes 2c and 2c + 1 (its pair sums' lanes)
+      const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s_block + 16 + gi * kCols));
+      const __m256i scale_codes = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(c8, c8));
+      __m256i w[8];
+      unpack4(c, nibble, w);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = xq[r] + b * kBlock;
+        __m256i p = _mm256_maddubs_epi16(w[0], bcast4(x));
+        for (int j = 1; j < 8; ++j) {
+          p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[j], bcast4(x + 4 * j)));
+          asm("" : "+x"(p));  // keep the chain (panel_kernel)
+        }
+        const __m256i scaled = _mm256_madd_epi16(p, scale_codes);
+        isum[r] = gi == 0 ? scaled : _mm256_add_epi32(isum[r], scaled);
+      }
+    }
+    const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s_block)));
+    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m_block)));
+    __m256i pairs[kSpanGroups / 2];  // min codes of groups 2j, 2j + 1 as int16 pairs, column by column
+    for (int j = 0; j < kSpanGroups / 2; ++j) {
+      const __m128i mc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m_block + 16 + 2 * j * kCols));
+      pairs[j] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(mc, _mm_srli_si128(mc, 8)));
+    }
+    for (int r = 0; r < R; ++r) {
+      __m256i msum = _mm256_setzero_si256();
+      for (int j = 0; j < kSpanGroups / 2; ++j) {
+        int32_t sums;  // the two blocks' code sums, int16 each
+        std::memcpy(&sums, xs[r] + t * kSpanGroups + 2 * j, sizeof sums);
+        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(pairs[j], _mm256_set1_epi32(sums)));
+      }
+      const __m256 dx = _mm256_set1_ps(xd[r][t]);
+      __m256 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(s, dx), _mm256_loadu_ps(res[r]));
+      acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(m, dx), acc);
+      _mm256_storeu_ps(res[r], acc);
+    }
+  }
+}
+
 // panel_kernel (panel_kernel_g16 for HALF: group 16) for `rows` (1..kRows<BITS>) rows
 template <int BITS, typename S, bool HALF, bool DERIVED, int R = 1>
 inline void dispatch_rows(int rows, const QuantizedX& a, int64_t row0, const uint8_t* codes, S sc,
@@ -503,6 +620,16 @@ inline void dispatch_rows(int rows, const QuantizedX& a, int64_t row0, const uin
     if (rows != R)
       return dispatch_rows<BITS, S, HALF, DERIVED, R + 1>(rows, a, row0, codes, sc, mn, min_factor, group_blocks,
                                                  prefetch_groups, res);
+  }
+  if constexpr (std::is_same_v<S, TwoLevelScales> && BITS == 4 && !HALF && !DERIVED) {
+    if (a.bsum) {
+      if constexpr (R > kSpanRows) {
+        panel_kernel_span<kSpanRows>(a, row0, codes, sc, mn, prefetch_groups, res);
+        return panel_kernel_span<R - kSpanRows>(a, row0 + kSpanRows, codes, sc, mn, prefetch_groups, res + kSpanRows);
+      } else {
+        return panel_kernel_span<R>(a, row0, codes, sc, mn, prefetch_groups, res);
+      }
+    }
   }
   if constexpr (HALF && BITS == 6)
     panel_kernel_q6<R, S>(a, row0, codes, sc, mn, min_factor, prefetch_groups, res);
@@ -625,11 +752,24 @@ void matmul_into(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S
   if (corrected) c_buf.resize(M * per);
   int32_t* qs128 = sums ? s_buf.data() : nullptr;
   int32_t* corr = corrected ? c_buf.data() : nullptr;
-  const QuantizedX a{q, d, d + M * nb, K, ds16, qs128, corr};
+  // Q4_K (4-bit, two-level scales and mins, two or more groups a super-block) where the pairs kernel does not
+  // take it: x rounded per super-block for panel_kernel_span
+  const int64_t span = bits == 4 && !derived && scales.form == ScaleRef::kTwoLevel &&
+                               (int64_t(1) << scales.shift) == kSpanGroups && !paired(4, false)
+                           ? kBlock * kSpanGroups
+                           : 0;
+  static thread_local std::vector<int16_t> b_buf;
+  if (span) b_buf.resize(M * nb);
+  int16_t* bsum = span ? b_buf.data() : nullptr;  // a pointer: the lambda below runs on other threads too
+  const QuantizedX a{q, d, d + M * nb, K, ds16, qs128, corr, bsum};
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      quantize_row(x + r * K, K, q + r * K, d + r * nb, d + M * nb + r * nb, half ? ds16 + 2 * r * nb : nullptr,
-                   sums ? qs128 + r * nb : nullptr, corrected ? corr + r * per : nullptr, int32_t(mins.factor));
+    for (int64_t r = begin; r < end; ++r) {
+      if (span)
+        quantize_row_span(x + r * K, K, span, q + r * K, d + r * (K / span), bsum + r * nb);
+      else
+        quantize_row(x + r * K, K, q + r * K, d + r * nb, d + M * nb + r * nb, half ? ds16 + 2 * r * nb : nullptr,
+                     sums ? qs128 + r * nb : nullptr, corrected ? corr + r * per : nullptr, int32_t(mins.factor));
+    }
   });
   const int64_t panel_work = nb * block_bytes(bits) * M;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / panel_work);
