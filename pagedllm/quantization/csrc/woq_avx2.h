@@ -529,7 +529,7 @@ inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* co
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(res[r], acc[r]);
 }
 
-// panel_kernel for GGUF Q4_K (4-bit codes, two-level scales and mins, sb groups of 32 a super-block) with x
+// panel_kernel for GGUF Q4_K (4-bit codes, two-level scales and mins, 8 groups of 32 a super-block) with x
 // rounded per super-block (quantize_row_span: llama.cpp's Q8_K activations). x then has one scale over the
 // super-block, so its groups' integer dot products add up in int32 before any float work: each group's
 // VPMADDUBSW pair sums go through VPMADDWD against the group's scale codes (the 8 columns' int8 codes, each
@@ -539,9 +539,12 @@ inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* co
 // ~13 port-0/1 instructions a block and row on it. The mins' term sum_g m_g sum(x_g) is integer too: the min
 // codes of groups 2j and 2j + 1 interleaved as int16 pairs, VPMADDWD against the two blocks' code sums.
 // Bounds: a group's int16 chain at most 8 x 2 x 15 x 127 = 30480 (as panel_kernel's); times a code (|c| <=
-// 127) and summed over a super-block in int32 (< 2^31 for sb <= 256); a block's code sum |.| <= 4064.
+// 127) and summed over the 8 groups in int32 (< 2^26); a block's code sum |.| <= 4064.
 // Accuracy contract: the float32 reference on x rounded per super-block (256 inputs for Q4_K) instead of per
-// 32-block: exact in int32, then float32 rounding (tests/test_woq_avx2.py, SPAN_BOUND).
+// 32-block: exact in int32, then float32 rounding (tests/test_gguf_blocks.py's two-level test: < 1e-5).
+// Rows panel_kernel_span runs against each unpacked group: 8, as kRows<4> (the register count suggests 4:
+// 8 int32 sums and 8 weight vectors; alternated on the Xeon here, 4 was no faster); smaller splits a block
+// of kRows<4> rows in two, for measurement.
 #ifndef WOQ_SPAN_ROWS
 #define WOQ_SPAN_ROWS 8
 #endif
@@ -752,8 +755,8 @@ void matmul_into(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S
   if (corrected) c_buf.resize(M * per);
   int32_t* qs128 = sums ? s_buf.data() : nullptr;
   int32_t* corr = corrected ? c_buf.data() : nullptr;
-  // Q4_K (4-bit, two-level scales and mins, two or more groups a super-block) where the pairs kernel does not
-  // take it: x rounded per super-block for panel_kernel_span
+  // Q4_K (4-bit, two-level scales and mins, 8 groups a super-block) where the pairs kernel does not take it:
+  // x rounded per super-block for panel_kernel_span
   const int64_t span = bits == 4 && !derived && scales.form == ScaleRef::kTwoLevel &&
                                (int64_t(1) << scales.shift) == kSpanGroups && !paired(4, false)
                            ? kBlock * kSpanGroups
