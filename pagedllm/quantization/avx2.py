@@ -248,7 +248,7 @@ def x_span(layout: tuple[torch.Tensor, ...]) -> int:
     GGUF Q4_K's two-level layout where this build runs panel_kernel_span (llama.cpp's Q8_K activations),
     else a 32-block (csrc/woq_avx2.h states both contracts)."""
     ext = ops.kernel("quantized_linear", "woq_avx2")
-    codes, s, _ = layout
+    _, s, _ = layout
     two_level_q4 = layout_bits(layout) == 4 and s.dtype == torch.uint8 and min_factor(layout) is None
     groups = (s.shape[2] - 16) // COLS if two_level_q4 else 0
     return ext.q4k_x_span() if ext is not None and groups * BLOCK == 256 else BLOCK

@@ -79,6 +79,6 @@ int64_t q4k_x_span() { return woq_avx2::paired(4, false) ? woq_avx2::kBlock : wo
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4k_x_span", &q4k_x_span, "inputs x is rounded over for Q4_K's two-level layout (256 or 32)");
-  m.def("matmul", &matmul, "x @ (scales * q + mins)^T (+ bias) with int8 activations per 32-block, AVX2");
+  m.def("matmul", &matmul, "x @ (scales * q + mins)^T (+ bias) with int8 activations per 32-block (Q4_K: q4k_x_span), AVX2");
   m.def("gemv_fp32", &gemv_fp32, "the same for one float32 row with float32 activations (for comparison)");
 }

@@ -542,13 +542,6 @@ inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* co
 // 127) and summed over the 8 groups in int32 (< 2^26); a block's code sum |.| <= 4064.
 // Accuracy contract: the float32 reference on x rounded per super-block (256 inputs for Q4_K) instead of per
 // 32-block: exact in int32, then float32 rounding (tests/test_gguf_blocks.py's two-level test: < 1e-5).
-// Rows panel_kernel_span runs against each unpacked group: 8, as kRows<4> (the register count suggests 4:
-// 8 int32 sums and 8 weight vectors; alternated on the Xeon here, 4 was no faster); smaller splits a block
-// of kRows<4> rows in two, for measurement.
-#ifndef WOQ_SPAN_ROWS
-#define WOQ_SPAN_ROWS 8
-#endif
-constexpr int kSpanRows = WOQ_SPAN_ROWS;
 constexpr int64_t kSpanGroups = 8;  // Q4_K: 8 groups of 32 a super-block
 template <int R>
 inline void panel_kernel_span(const QuantizedX& a, int64_t row0, const uint8_t* codes, TwoLevelScales sc,
@@ -625,14 +618,8 @@ inline void dispatch_rows(int rows, const QuantizedX& a, int64_t row0, const uin
                                                  prefetch_groups, res);
   }
   if constexpr (std::is_same_v<S, TwoLevelScales> && BITS == 4 && !HALF && !DERIVED) {
-    if (a.bsum) {
-      if constexpr (R > kSpanRows) {
-        panel_kernel_span<kSpanRows>(a, row0, codes, sc, mn, prefetch_groups, res);
-        return panel_kernel_span<R - kSpanRows>(a, row0 + kSpanRows, codes, sc, mn, prefetch_groups, res + kSpanRows);
-      } else {
-        return panel_kernel_span<R>(a, row0, codes, sc, mn, prefetch_groups, res);
-      }
-    }
+    // kRows<4> rows at once here too (alternated on the Xeon here, 4 rows a call were no faster)
+    if (a.bsum) return panel_kernel_span<R>(a, row0, codes, sc, mn, prefetch_groups, res);
   }
   if constexpr (HALF && BITS == 6)
     panel_kernel_q6<R, S>(a, row0, codes, sc, mn, min_factor, prefetch_groups, res);
