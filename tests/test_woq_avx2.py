@@ -318,9 +318,11 @@ def test_the_vnni_build_equals_the_avx2_build_bit_for_bit(kernel):
     from pagedllm.quantization import gguf_blocks
     from tests.test_gguf_blocks import random_blocks
 
-    # Q4_K: the AVX2 build rounds x per 256-input super-block (panel_kernel_span), the pairs kernel per 32,
-    # so the two differ by design (each against its own rounding of x: test_gguf_blocks' two-level test)
-    assert (plain.q4k_x_span(), kernel.q4k_x_span()) == (256, 32)
+    # Q4_K, Q6_K: the AVX2 build rounds x per 256-input super-block (panel_kernel_span, panel_kernel_q6_span),
+    # the pairs kernels per 32, so the two differ by design (each against its own rounding of x:
+    # test_gguf_blocks' two-level test); Q6_K's codes go in with float16 scales here (x per 32-block in both)
+    assert [plain.k_quant_x_span(b) for b in (4, 6)] == [256, 256]
+    assert [kernel.k_quant_x_span(b) for b in (4, 6)] == [32, 32]
     for type_name in ("Q4_0", "Q4_1", "Q6_K", "Q8_0", "Q5_K"):
         for n in (40, 48):  # 5 panels (two pairs and one alone), 6 (three pairs)
             raw = random_blocks(type_name, n, 512, seed=n)
@@ -328,7 +330,10 @@ def test_the_vnni_build_equals_the_avx2_build_bit_for_bit(kernel):
                 torch.from_numpy(t) if not isinstance(t, (int, type(None))) else t
                 for t in gguf_blocks.decode(type_name, raw, (n, 512))
             )
-            layout = avx2.pack(codes, scales, mins, bits, gguf_blocks.super_blocks(type_name, raw, (n, 512)))
+            two_level = type_name != "Q6_K"
+            sb = gguf_blocks.super_blocks(type_name, raw, (n, 512)) if two_level else None
+            layout = avx2.pack(codes, scales, mins, bits, sb)
+            assert avx2.layout_bits(layout) == (6 if type_name == "Q6_K" else bits)
             args = (*layout, None, avx2.layout_bits(layout), group, n)
             for rows in (1, 2, 8, 9, 33):
                 for dtype in (torch.float32, torch.bfloat16):

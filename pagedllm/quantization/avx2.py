@@ -10,8 +10,8 @@ Groups: multiples of 32 inputs (or per channel), and 16 for 8-bit codes (GGUF Q6
 each 32-block's integer dot product and code sum are taken per 16-half, each half with its own scale and min.
 
 Accuracy: that of rounding x to int8 per 32 elements (csrc/woq_avx2.h states the contract, group 16
-included); everything after it is exact in int32 or float32. GGUF Q4_K's two-level layout rounds x per
-256-input super-block instead where the build has no pairs kernel (avx2 and avx512 tiers: llama.cpp's Q8_K
+included); everything after it is exact in int32 or float32. GGUF Q4_K's and Q6_K's two-level layouts round x
+per 256-input super-block instead where the build has no pairs kernel (avx2 and avx512 tiers: llama.cpp's Q8_K
 activations), so a super-block's groups add up in int32 and the float work is paid once per 256 (x_span).
 
 Measured (scripts/bench_woq_avx2.py: the default model's 120 decoder linears + lm_head, 98.2 MB of layout;
@@ -26,6 +26,9 @@ Above ~32 rows MKL's float32 GEMM runs near its peak while VPMADDUBSW (no VNNI o
 Group 16 (Q6_K), one [2048 out, 8192 in] layer, one thread, CPU time, median, interleaved with Q8_0 on the
 same shape: M=1 ~820 us (25.2 MB: float32 scale and min per 16 weights, 1.5 B a weight) vs Q8_0 ~650 us
 (18.9 MB, 1.125 B a weight), both ~30 GB/s, so the extra time is the extra bytes; M=32 98 vs 94 GFLOP/s.
+Q6_K's two-level layout with x per super-block (panel_kernel_q6_span) against x per 32-block, the same
+[2048, 8192] layer alternated, 2 of 3 rounds (the first ran 2x low in both) on an AMX Xeon capped at avx2:
+M=4 106-110 vs 73-76 GOP/s, M=32 114-120 vs 74-83 (1.45x), M=1 50-55 vs 42-47; Q4_K's beside it 115-123.
 
 The compiled module comes from the op table (ops.kernel("quantized_linear", "woq_avx2")): None below the
 avx2 tier, without a compiler, or with PAGEDLLM_NO_CPU_KERNEL=1; QuantLinear then runs another kernel
@@ -245,13 +248,16 @@ def rows(
 
 def x_span(layout: tuple[torch.Tensor, ...]) -> int:
     """The inputs over which the kernel rounds x to int8 for this layout: a K-quant super-block (256) for
-    GGUF Q4_K's two-level layout where this build runs panel_kernel_span (llama.cpp's Q8_K activations),
-    else a 32-block (csrc/woq_avx2.h states both contracts)."""
+    GGUF Q4_K's and Q6_K's two-level layouts where this build runs panel_kernel_span / panel_kernel_q6_span
+    (llama.cpp's Q8_K activations), else a 32-block (csrc/woq_avx2.h states both contracts)."""
     ext = ops.kernel("quantized_linear", "woq_avx2")
     _, s, _ = layout
-    two_level_q4 = layout_bits(layout) == 4 and s.dtype == torch.uint8 and min_factor(layout) is None
-    groups = (s.shape[2] - 16) // COLS if two_level_q4 else 0
-    return ext.q4k_x_span() if ext is not None and groups * BLOCK == 256 else BLOCK
+    bits = layout_bits(layout)
+    if ext is None or s.dtype != torch.uint8:
+        return BLOCK
+    inputs = (s.shape[2] - 16) // COLS * (HALF_GROUP if bits == 6 else BLOCK)  # a super-block's
+    k_quant = inputs == 256 and (bits == 6 or (bits == 4 and min_factor(layout) is None))
+    return ext.k_quant_x_span(bits) if k_quant else BLOCK
 
 
 def matmul(

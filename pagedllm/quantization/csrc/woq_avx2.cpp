@@ -73,12 +73,18 @@ at::Tensor gemv_fp32(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return out;
 }
 
-// The inputs x is rounded over for a 4-bit layer with two-level scales and mins (GGUF Q4_K) in this build:
-// a super-block (panel_kernel_span) where the pairs kernel does not take the layer, else a 32-block.
-int64_t q4k_x_span() { return woq_avx2::paired(4, false) ? woq_avx2::kBlock : woq_avx2::kBlock * woq_avx2::kSpanGroups; }
+// The inputs x is rounded over for a GGUF K-quant's two-level layout in this build: Q4_K (bits 4) or Q6_K
+// (bits 6): a super-block (woq_avx2::x_span) where the pairs kernel does not take the layer, else a 32-block.
+int64_t k_quant_x_span(int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 6, "woq_avx2: k_quant_x_span takes bits 4 (Q4_K) or 6 (Q6_K)");
+  const bool half = bits == 6;
+  woq_avx2::ScaleRef two_level{woq_avx2::ScaleRef::kTwoLevel, nullptr, half ? 4 : 3};
+  const int64_t span = woq_avx2::x_span(bits, half, half, two_level);
+  return span ? span : woq_avx2::kBlock;
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q4k_x_span", &q4k_x_span, "inputs x is rounded over for Q4_K's two-level layout (256 or 32)");
-  m.def("matmul", &matmul, "x @ (scales * q + mins)^T (+ bias) with int8 activations per 32-block (Q4_K: q4k_x_span), AVX2");
+  m.def("k_quant_x_span", &k_quant_x_span, "inputs x is rounded over for Q4_K's / Q6_K's two-level layout (256 or 32)");
+  m.def("matmul", &matmul, "x @ (scales * q + mins)^T (+ bias) with int8 activations per 32-block (Q4_K, Q6_K: k_quant_x_span), AVX2");
   m.def("gemv_fp32", &gemv_fp32, "the same for one float32 row with float32 activations (for comparison)");
 }

@@ -17,8 +17,9 @@
 // relative Frobenius error < 1e-5 against the reference computed on x rounded the same way (5e-3 with bf16
 // output), and < 1.5e-2 against the float32 reference with random normal x (typically 2e-3 to 7e-3; one
 // value 100x the rest of its block included). The fp32-activation gemv below is < 1e-5 (kept for
-// measurement, not used: slower). GGUF Q4_K's two-level layout, where no pairs kernel takes it, rounds x
-// per 256-input super-block instead (llama.cpp's Q8_K; panel_kernel_span states that contract).
+// measurement, not used: slower). GGUF Q4_K's and Q6_K's two-level layouts, where no pairs kernel takes
+// them, round x per 256-input super-block instead (llama.cpp's Q8_K; panel_kernel_span and
+// panel_kernel_q6_span state that contract).
 //
 // Group 16 (8-bit codes only: GGUF Q6_K's sub-blocks): the scale and min change in the middle of a
 // 32-input activation block, so the block's integer dot product is taken per 16-input half (vectors 0-3
@@ -292,11 +293,13 @@ inline void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* ds, 
   }
 }
 
-// One row of x -> int8 codes q [K] rounded per span (a K-quant super-block, 256 inputs for Q4_K: llama.cpp's
-// Q8_K), the span's scale d [K/span], and each 32-block's code sum bsum [K/32] (|sum| <= 32 * 127: int16).
-// The same rounding as quantize_row (scale max|x| / 127, nearest even), over a span instead of 32 inputs.
+// One row of x -> int8 codes q [K] rounded per span (a K-quant super-block, 256 inputs: llama.cpp's Q8_K),
+// the span's scale d [K/span], and the code sums bsum of each 32-block [K/32] (Q4_K's groups), or with per16
+// of each 16 inputs [K/16] (Q6_K's groups); |sum| <= 32 * 127: int16. The same rounding as quantize_row
+// (scale max|x| / 127, nearest even), over a span instead of 32 inputs.
 template <typename T>
-inline void quantize_row_span(const T* x, int64_t K, int64_t span, int8_t* q, float* d, int16_t* bsum) {
+inline void quantize_row_span(const T* x, int64_t K, int64_t span, int8_t* q, float* d, int16_t* bsum,
+                              bool per16 = false) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
   for (int64_t s = 0; s < K / span; ++s) {
@@ -311,8 +314,13 @@ inline void quantize_row_span(const T* x, int64_t K, int64_t span, int8_t* q, fl
       for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xs + b * kBlock + 8 * j), inv));
       const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + s * span + b * kBlock), _mm256_permutevar8x32_epi32(p, order));
-      bsum[s * (span / kBlock) + b] =
-          int16_t(hsum(_mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]))));
+      const int64_t blk = s * (span / kBlock) + b;
+      if (per16) {  // i[0], i[1] are inputs 0..15 of the block, i[2], i[3] 16..31
+        bsum[2 * blk] = int16_t(hsum(_mm256_add_epi32(i[0], i[1])));
+        bsum[2 * blk + 1] = int16_t(hsum(_mm256_add_epi32(i[2], i[3])));
+      } else {
+        bsum[blk] = int16_t(hsum(_mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]))));
+      }
     }
   }
 }
@@ -327,8 +335,9 @@ struct QuantizedX {
   const float* ds16 = nullptr;
   const int32_t* qs128 = nullptr;  // 128 x each block's code sum [M, K/32]: 8-bit kernels (below)
   const int32_t* corr = nullptr;   // derived mins: c x each block's code sum [M, K/32] ([M, K/16] for group 16)
-  // x rounded per super-block (panel_kernel_span): d is then one scale a span [M, K/span], and bsum each
-  // 32-block's code sum [M, K/32]; nullptr where x is rounded per 32-block
+  // x rounded per super-block (panel_kernel_span, panel_kernel_q6_span): d is then one scale a span
+  // [M, K/span], and bsum the code sums of each group, 32-block [M, K/32] (Q4_K) or 16 inputs [M, K/16]
+  // (Q6_K); nullptr where x is rounded per 32-block
   const int16_t* bsum = nullptr;
 };
 
@@ -529,6 +538,47 @@ inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* co
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(res[r], acc[r]);
 }
 
+// Rows row0..row0 + R - 1 of x rounded per super-block (quantize_row_span): codes q, the spans' scales d,
+// and the groups' code sums (`sums` a row); zeroes res[R], which the span kernels accumulate into.
+template <int R>
+struct SpanRows {
+  const int8_t* q[R];
+  const float* d[R];
+  const int16_t* sums[R];
+  SpanRows(const QuantizedX& a, int64_t row0, int64_t spans, int64_t per_row, float (*res)[kCols]) {
+    for (int r = 0; r < R; ++r) {
+      q[r] = a.q + (row0 + r) * a.K;
+      d[r] = a.d + (row0 + r) * spans;
+      sums[r] = a.bsum + (row0 + r) * per_row;
+      _mm256_storeu_ps(res[r], _mm256_setzero_ps());
+    }
+  }
+};
+
+// A super-block's G int8 codes a column (its groups' scale or min codes as the two-level layout keeps them,
+// [G][8] bytes), groups 2j and 2j + 1 as int16 pairs column by column; dot(sums) is sum_g code_g x sums[g]
+// in column c's int32 lane for a row's G int16 code sums of x (G / 2 VPMADDWD): a super-block's integer
+// term over its groups, once a super-block and row.
+template <int G>
+struct CodePairs {
+  __m256i pairs[G / 2];
+  explicit CodePairs(const uint8_t* codes) {
+    for (int j = 0; j < G / 2; ++j) {
+      const __m128i two = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 2 * j * kCols));
+      pairs[j] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(two, _mm_srli_si128(two, 8)));
+    }
+  }
+  [[gnu::always_inline]] __m256i dot(const int16_t* sums) const {
+    __m256i acc = _mm256_setzero_si256();
+    for (int j = 0; j < G / 2; ++j) {
+      int32_t two;  // groups 2j and 2j + 1's sums, int16 each
+      std::memcpy(&two, sums + 2 * j, sizeof two);
+      acc = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs[j], _mm256_set1_epi32(two)));
+    }
+    return acc;
+  }
+};
+
 // panel_kernel for GGUF Q4_K (4-bit codes, two-level scales and mins, 8 groups of 32 a super-block) with x
 // rounded per super-block (quantize_row_span: llama.cpp's Q8_K activations). x then has one scale over the
 // super-block, so its groups' integer dot products add up in int32 before any float work: each group's
@@ -548,15 +598,7 @@ inline void panel_kernel_span(const QuantizedX& a, int64_t row0, const uint8_t* 
                               TwoLevelScales mn, int64_t prefetch_groups, float (*res)[kCols]) {
   constexpr int64_t sb = kSpanGroups;
   const int64_t nb = a.K / kBlock, spans = nb / sb;
-  const int8_t* xq[R];
-  const float* xd[R];
-  const int16_t* xs[R];
-  for (int r = 0; r < R; ++r) {
-    xq[r] = a.q + (row0 + r) * a.K;
-    xd[r] = a.d + (row0 + r) * spans;
-    xs[r] = a.bsum + (row0 + r) * nb;
-    _mm256_storeu_ps(res[r], _mm256_setzero_ps());
-  }
+  const SpanRows<R> xr(a, row0, spans, nb, res);
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   for (int64_t t = 0; t < spans; ++t) {
     const uint8_t* s_block = sc.p + t * sc.stride;
@@ -575,7 +617,7 @@ inline void panel_kernel_span(const QuantizedX& a, int64_t row0, const uint8_t* 
       __m256i w[8];
       unpack4(c, nibble, w);
       for (int r = 0; r < R; ++r) {
-        const int8_t* x = xq[r] + b * kBlock;
+        const int8_t* x = xr.q[r] + b * kBlock;
         __m256i p = _mm256_maddubs_epi16(w[0], bcast4(x));
         for (int j = 1; j < 8; ++j) {
           p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[j], bcast4(x + 4 * j)));
@@ -587,22 +629,74 @@ inline void panel_kernel_span(const QuantizedX& a, int64_t row0, const uint8_t* 
     }
     const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s_block)));
     const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m_block)));
-    __m256i pairs[kSpanGroups / 2];  // min codes of groups 2j, 2j + 1 as int16 pairs, column by column
-    for (int j = 0; j < kSpanGroups / 2; ++j) {
-      const __m128i mc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m_block + 16 + 2 * j * kCols));
-      pairs[j] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(mc, _mm_srli_si128(mc, 8)));
-    }
+    const CodePairs<kSpanGroups> min_codes(m_block + 16);
     for (int r = 0; r < R; ++r) {
-      __m256i msum = _mm256_setzero_si256();
-      for (int j = 0; j < kSpanGroups / 2; ++j) {
-        int32_t sums;  // the two blocks' code sums, int16 each
-        std::memcpy(&sums, xs[r] + t * kSpanGroups + 2 * j, sizeof sums);
-        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(pairs[j], _mm256_set1_epi32(sums)));
-      }
-      const __m256 dx = _mm256_set1_ps(xd[r][t]);
+      const __m256i msum = min_codes.dot(xr.sums[r] + t * kSpanGroups);
+      const __m256 dx = _mm256_set1_ps(xr.d[r][t]);
       __m256 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(s, dx), _mm256_loadu_ps(res[r]));
       acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(m, dx), acc);
       _mm256_storeu_ps(res[r], acc);
+    }
+  }
+}
+
+// panel_kernel_q6 with x rounded per super-block (quantize_row_span, per-16 code sums), as panel_kernel_span
+// does for Q4_K: a Q6_K super-block's 16 groups of 16 add up in int32 and the float work is paid once per 256
+// inputs instead of once per 16. A group's 4 VPMADDUBSW pair sums (codes 0..63 unsigned: |pair| <= 2 x 63
+// x 127 = 16002) go as two int16 sums of two (<= 32004) through VPMADDWD against the group's scale codes;
+// the file's -32 offset (w = d sc (q - 32)) is the integer term -32 sum_g sc_g sum(x_g), the scale codes of
+// groups 2j and 2j + 1 as int16 pairs against the two groups' code sums. Bounds: |sum_g sc_g sum(q x)| <=
+// 16 x 128 x 16 x 63 x 127 < 2^28, the offset's term <= 32 x 16 x 128 x 16 x 127 < 2^28: int32.
+// Accuracy contract: as panel_kernel_span's (the float32 reference on x rounded per 256 inputs).
+constexpr int64_t kQ6SpanBlocks = 8;  // Q6_K: 8 blocks of 32 (16 groups of 16) a super-block
+template <int R>
+inline void panel_kernel_q6_span(const QuantizedX& a, int64_t row0, const uint8_t* codes, TwoLevelScales sc,
+                                 int64_t prefetch_groups, float (*res)[kCols]) {
+  constexpr int64_t kBlockBytes = block_bytes(6), groups = 2 * kQ6SpanBlocks;
+  const int64_t nb = a.K / kBlock, spans = nb / kQ6SpanBlocks;
+  const SpanRows<R> xr(a, row0, spans, 2 * nb, res);
+  const __m256i nibble = _mm256_set1_epi8(0x0F), top_mask = _mm256_set1_epi8(0x30);
+  for (int64_t t = 0; t < spans; ++t) {
+    const uint8_t* s_block = sc.p + t * sc.stride;
+    _mm_prefetch(reinterpret_cast<const char*>(sc.addr((t << sc.shift) + prefetch_groups)), _MM_HINT_T0);
+    __m256i isum[R];
+    for (int64_t bi = 0; bi < kQ6SpanBlocks; ++bi) {
+      const int64_t b = t * kQ6SpanBlocks + bi;
+      const uint8_t* c = codes + b * kBlockBytes;
+      for (int64_t line = 0; line < kBlockBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchBytes + line), _MM_HINT_T0);
+      for (int h = 0; h < 2; ++h) {  // the block's two groups (panel_kernel_q6's layout)
+        const int64_t gi = 2 * bi + h;
+        const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 128 + 32 * h));
+        __m256i w[4];
+        for (int v = 0; v < 4; ++v) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * v));
+          const __m256i low = _mm256_and_si256(h == 0 ? raw : _mm256_srli_epi16(raw, 4), nibble);
+          const __m256i top = _mm256_and_si256(
+              v < 2 ? _mm256_slli_epi16(plane, 4 - 2 * v) : v == 2 ? plane : _mm256_srli_epi16(plane, 2), top_mask);
+          w[v] = _mm256_or_si256(low, top);
+        }
+        // the group's 8 scale codes, column c's in int16 lanes 2c and 2c + 1 (panel_kernel_span)
+        const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s_block + 16 + gi * kCols));
+        const __m256i scale_codes = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(c8, c8));
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = xr.q[r] + b * kBlock + 16 * h;
+          const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], bcast4(x)),
+                                              _mm256_maddubs_epi16(w[1], bcast4(x + 4)));
+          const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], bcast4(x + 8)),
+                                              _mm256_maddubs_epi16(w[3], bcast4(x + 12)));
+          const __m256i scaled = _mm256_add_epi32(_mm256_madd_epi16(lo, scale_codes), _mm256_madd_epi16(hi, scale_codes));
+          isum[r] = gi == 0 ? scaled : _mm256_add_epi32(isum[r], scaled);
+        }
+      }
+    }
+    const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s_block)));
+    const CodePairs<groups> scale_codes(s_block + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m256i osum = scale_codes.dot(xr.sums[r] + t * groups);
+      const __m256i exact = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(osum, 5));  // - 32 x the offset term
+      const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(xr.d[r][t]));
+      _mm256_storeu_ps(res[r], _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), scale, _mm256_loadu_ps(res[r])));
     }
   }
 }
@@ -620,6 +714,9 @@ inline void dispatch_rows(int rows, const QuantizedX& a, int64_t row0, const uin
   if constexpr (std::is_same_v<S, TwoLevelScales> && BITS == 4 && !HALF && !DERIVED) {
     // kRows<4> rows at once here too (alternated on the Xeon here, 4 rows a call were no faster)
     if (a.bsum) return panel_kernel_span<R>(a, row0, codes, sc, mn, prefetch_groups, res);
+  }
+  if constexpr (std::is_same_v<S, TwoLevelScales> && HALF && BITS == 6) {
+    if (a.bsum) return panel_kernel_q6_span<R>(a, row0, codes, sc, prefetch_groups, res);
   }
   if constexpr (HALF && BITS == 6)
     panel_kernel_q6<R, S>(a, row0, codes, sc, mn, min_factor, prefetch_groups, res);
@@ -716,6 +813,16 @@ void run_panels(const QuantizedX& a, int64_t M, const uint8_t* codes, S sc, S mn
   }
 }
 
+// The inputs matmul_into rounds x over for a layer (0: a 32-block, quantize_row): a K-quant super-block of 256
+// for GGUF Q4_K's and Q6_K's two-level layouts where the pairs kernel does not take them (llama.cpp's Q8_K).
+inline int64_t x_span(int64_t bits, bool half, bool derived, const ScaleRef& scales) {
+  if (scales.form != ScaleRef::kTwoLevel || paired(bits, half)) return 0;
+  const int64_t groups = int64_t(1) << scales.shift;  // a super-block's
+  const bool q4k = bits == 4 && !half && !derived && groups == kSpanGroups;
+  const bool q6k = bits == 6 && half && groups == 2 * kQ6SpanBlocks;
+  return q4k ? kBlock * kSpanGroups : q6k ? kBlock * kQ6SpanBlocks : 0;
+}
+
 // out [M, N] = x [M, K] (float32 or bf16, rows K apart) @ W^T (+ bias float32 [N] or nullptr), W in the
 // layout above (group_size a multiple of 32, or 16 with 8-bit codes). Threads (torch's pool) split the
 // panels; each task at least ~16 KB of codes x rows.
@@ -742,20 +849,18 @@ void matmul_into(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S
   if (corrected) c_buf.resize(M * per);
   int32_t* qs128 = sums ? s_buf.data() : nullptr;
   int32_t* corr = corrected ? c_buf.data() : nullptr;
-  // Q4_K (4-bit, two-level scales and mins, 8 groups a super-block) where the pairs kernel does not take it:
-  // x rounded per super-block for panel_kernel_span
-  const int64_t span = bits == 4 && !derived && scales.form == ScaleRef::kTwoLevel &&
-                               (int64_t(1) << scales.shift) == kSpanGroups && !paired(4, false)
-                           ? kBlock * kSpanGroups
-                           : 0;
+  // x rounded per super-block where the pairs kernel does not take the layer: Q4_K (4-bit, two-level scales
+  // and mins, 8 groups of 32 a super-block) for panel_kernel_span, Q6_K (6-bit, two-level scales, 16 groups
+  // of 16) for panel_kernel_q6_span
+  const int64_t span = x_span(bits, half, derived, scales);
   static thread_local std::vector<int16_t> b_buf;
-  if (span) b_buf.resize(M * nb);
+  if (span) b_buf.resize(M * per);
   int16_t* bsum = span ? b_buf.data() : nullptr;  // a pointer: the lambda below runs on other threads too
   const QuantizedX a{q, d, d + M * nb, K, ds16, qs128, corr, bsum};
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / K), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       if (span)
-        quantize_row_span(x + r * K, K, span, q + r * K, d + r * (K / span), bsum + r * nb);
+        quantize_row_span(x + r * K, K, span, q + r * K, d + r * (K / span), bsum + r * per, half);
       else
         quantize_row(x + r * K, K, q + r * K, d + r * nb, d + M * nb + r * nb, half ? ds16 + 2 * r * nb : nullptr,
                      sums ? qs128 + r * nb : nullptr, corrected ? corr + r * per : nullptr, int32_t(mins.factor));
