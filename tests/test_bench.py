@@ -437,6 +437,21 @@ def test_llama_server_withheld_tokens_count_as_generated() -> None:
     ]
     with pytest.raises(RuntimeError, match="3 tokens streamed, 5 reported"):
         ls.check_reply(ls.parse_stream(without_counts), prompt_len=3, n_predict=5)
+    # a reply that ends in an incomplete UTF-8 sequence: its last tokens never streamed, the final count
+    # shows them (seen with llama-server 0.3.36 on a random-weight 1B: 125 streamed + 2 withheld, 128)
+    for tail in (1, 3):
+        final = {"tokens": [], "stop": True, "tokens_predicted": 5 + tail, "tokens_evaluated": 3}
+        ends_short = [*lines[:-1], (10.9, f"data: {json.dumps(final)}")]
+        r = ls.parse_stream(ends_short)
+        assert (len(r.tokens), r.withheld) == (4, 1 + tail)
+        ls.check_reply(r, prompt_len=3, n_predict=5 + tail)
+    # more than a UTF-8 sequence's bytes missing at the end, or after a stream without running counts: lost
+    final = {"tokens": [], "stop": True, "tokens_predicted": 9, "tokens_evaluated": 3}
+    with pytest.raises(RuntimeError, match=r"4 tokens streamed \(\+1 withheld\), 9 reported"):
+        ls.check_reply(ls.parse_stream([*lines[:-1], (10.9, f"data: {json.dumps(final)}")]), 3, 9)
+    final = {"tokens": [], "stop": True, "tokens_predicted": 6, "tokens_evaluated": 3}
+    with pytest.raises(RuntimeError, match="3 tokens streamed, 6 reported"):
+        ls.check_reply(ls.parse_stream([*without_counts[:-1], (10.9, f"data: {json.dumps(final)}")]), 3, 6)
 
 
 def test_llama_server_run_against_a_fake_server(tmp_path: Path) -> None:

@@ -113,8 +113,15 @@ class Reply:
     stop_type: str | None = None
     # tokens generated but never streamed: llama-server sends no chunk for a token whose text ends in an
     # incomplete UTF-8 sequence (common with random-weight models' byte tokens), and the next chunk carries
-    # only its own token id; each chunk's running tokens_predicted shows the gap
+    # only its own token id; each chunk's running tokens_predicted shows the gap. Where the reply ends in
+    # such a sequence its last tokens are never streamed at all (the final chunk carries no tokens): the
+    # final count shows that gap, taken only after a stream whose running counts were whole (TAIL_WITHHELD)
     withheld: int = 0
+    counts_whole: bool = False  # the last chunk with a token carried a running count that matched
+
+
+# the most tokens an incomplete UTF-8 sequence can hold back at the end: its 1-3 bytes, a byte token each
+TAIL_WITHHELD = 3
 
 
 def parse_stream(lines: Iterable[tuple[float, str]]) -> Reply:
@@ -133,10 +140,14 @@ def parse_stream(lines: Iterable[tuple[float, str]]) -> Reply:
             counted = chunk.get("tokens_predicted")
             if counted is not None and not chunk.get("stop"):
                 r.withheld = counted - len(r.tokens) - len(chunk["tokens"])
+            r.counts_whole = counted is not None and r.withheld >= 0
             r.tokens += chunk["tokens"]
         if chunk.get("stop"):
             r.finished_at = at
             r.tokens_predicted = chunk.get("tokens_predicted")
+            tail = (r.tokens_predicted or 0) - len(r.tokens) - r.withheld
+            if r.counts_whole and 0 < tail <= TAIL_WITHHELD:
+                r.withheld += tail
             r.tokens_evaluated = chunk.get("tokens_evaluated")
             r.stop_type = chunk.get("stop_type")
     return r
