@@ -330,8 +330,7 @@ def test_the_vnni_build_equals_the_avx2_build_bit_for_bit(kernel):
                 torch.from_numpy(t) if not isinstance(t, (int, type(None))) else t
                 for t in gguf_blocks.decode(type_name, raw, (n, 512))
             )
-            two_level = type_name != "Q6_K"
-            sb = gguf_blocks.super_blocks(type_name, raw, (n, 512)) if two_level else None
+            sb = None if type_name == "Q6_K" else gguf_blocks.super_blocks(type_name, raw, (n, 512))
             layout = avx2.pack(codes, scales, mins, bits, sb)
             assert avx2.layout_bits(layout) == (6 if type_name == "Q6_K" else bits)
             args = (*layout, None, avx2.layout_bits(layout), group, n)

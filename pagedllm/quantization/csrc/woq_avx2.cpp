@@ -77,8 +77,9 @@ at::Tensor gemv_fp32(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // (bits 6): a super-block (woq_avx2::x_span) where the pairs kernel does not take the layer, else a 32-block.
 int64_t k_quant_x_span(int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 6, "woq_avx2: k_quant_x_span takes bits 4 (Q4_K) or 6 (Q6_K)");
-  const bool half = bits == 6;
-  woq_avx2::ScaleRef two_level{woq_avx2::ScaleRef::kTwoLevel, nullptr, half ? 4 : 3};
+  const bool half = bits == 6;  // Q6_K: 16 groups of 16 a super-block; Q4_K: 8 of 32
+  const int shift = __builtin_ctzll(half ? 2 * woq_avx2::kQ6SpanBlocks : woq_avx2::kSpanGroups);
+  woq_avx2::ScaleRef two_level{woq_avx2::ScaleRef::kTwoLevel, nullptr, shift};
   const int64_t span = woq_avx2::x_span(bits, half, half, two_level);
   return span ? span : woq_avx2::kBlock;
 }

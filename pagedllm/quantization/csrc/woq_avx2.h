@@ -167,6 +167,22 @@ inline int32_t hsum(__m256i v) {
   }
 }
 
+// Group h (0, 1: k 0..15, 16..31) of a 6-bit (Q6_K) block's 192 bytes as 4 weight vectors of codes 0..63:
+// vector t holds k = 16h + 4t + i, its low 4 bits from nibble vector t (low nibbles for h = 0, high for h = 1),
+// its top 2 from plane h's bits 2t, 2t + 1, moved to bits 4, 5 by one shift in 16-bit lanes and a mask (what
+// crosses into the neighbouring byte lands outside bits 4, 5).
+[[gnu::always_inline]] inline void unpack6(const uint8_t* c, int h, __m256i (&w)[4]) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F), top_mask = _mm256_set1_epi8(0x30);
+  const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 128 + 32 * h));
+  for (int t = 0; t < 4; ++t) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * t));
+    const __m256i low = _mm256_and_si256(h == 0 ? raw : _mm256_srli_epi16(raw, 4), nibble);
+    const __m256i top = _mm256_and_si256(
+        t < 2 ? _mm256_slli_epi16(plane, 4 - 2 * t) : t == 2 ? plane : _mm256_srli_epi16(plane, 2), top_mask);
+    w[t] = _mm256_or_si256(low, top);
+  }
+}
+
 // The scales (or the mins) of a layer in one of avx2.pack's three forms, read group by group:
 //   float32 or float16 [panels, groups, 8]: one value a group and column (float16 where it holds them all
 //            exactly, as GGUF's d and m do);
@@ -504,7 +520,6 @@ inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* co
   const XRows<R> xr(a, row0, true);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i nibble = _mm256_set1_epi8(0x0F), top_mask = _mm256_set1_epi8(0x30);
   for (int64_t b = 0; b < nb; ++b) {
     _mm_prefetch(reinterpret_cast<const char*>(sc.addr(2 * b + prefetch_groups)), _MM_HINT_T0);
     const uint8_t* c = codes + b * kBlockBytes;
@@ -512,19 +527,13 @@ inline void panel_kernel_q6(const QuantizedX& a, int64_t row0, const uint8_t* co
       _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchBytes + line), _MM_HINT_T0);
     for (int h = 0; h < 2; ++h) {
       const int64_t g = 2 * b + h;
-      const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 128 + 32 * h));
+      __m256i w[4];
+      unpack6(c, h, w);
       __m256i isum[R];
       for (int t = 0; t < 4; ++t) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * t));
-        const __m256i low = _mm256_and_si256(h == 0 ? raw : _mm256_srli_epi16(raw, 4), nibble);
-        // the top 2 bits (2t, 2t + 1 of each byte) to bits 4, 5: one shift in 16-bit lanes and a mask (what
-        // crosses into the neighbouring byte lands outside bits 4, 5)
-        const __m256i top = _mm256_and_si256(
-            t < 2 ? _mm256_slli_epi16(plane, 4 - 2 * t) : t == 2 ? plane : _mm256_srli_epi16(plane, 2), top_mask);
-        const __m256i w = _mm256_or_si256(low, top);
         for (int r = 0; r < R; ++r) {
           const __m256i x = bcast4(xr.q[r] + b * kBlock + 16 * h + 4 * t);
-          isum[r] = t == 0 ? dot4(w, x) : dot4(isum[r], w, x);
+          isum[r] = t == 0 ? dot4(w[t], x) : dot4(isum[r], w[t], x);
         }
       }
       const __m256 s = sc.at(g);
@@ -655,7 +664,6 @@ inline void panel_kernel_q6_span(const QuantizedX& a, int64_t row0, const uint8_
   constexpr int64_t kBlockBytes = block_bytes(6), groups = 2 * kQ6SpanBlocks;
   const int64_t nb = a.K / kBlock, spans = nb / kQ6SpanBlocks;
   const SpanRows<R> xr(a, row0, spans, 2 * nb, res);
-  const __m256i nibble = _mm256_set1_epi8(0x0F), top_mask = _mm256_set1_epi8(0x30);
   for (int64_t t = 0; t < spans; ++t) {
     const uint8_t* s_block = sc.p + t * sc.stride;
     _mm_prefetch(reinterpret_cast<const char*>(sc.addr((t << sc.shift) + prefetch_groups)), _MM_HINT_T0);
@@ -667,15 +675,8 @@ inline void panel_kernel_q6_span(const QuantizedX& a, int64_t row0, const uint8_
         _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchBytes + line), _MM_HINT_T0);
       for (int h = 0; h < 2; ++h) {  // the block's two groups (panel_kernel_q6's layout)
         const int64_t gi = 2 * bi + h;
-        const __m256i plane = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 128 + 32 * h));
         __m256i w[4];
-        for (int v = 0; v < 4; ++v) {
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * v));
-          const __m256i low = _mm256_and_si256(h == 0 ? raw : _mm256_srli_epi16(raw, 4), nibble);
-          const __m256i top = _mm256_and_si256(
-              v < 2 ? _mm256_slli_epi16(plane, 4 - 2 * v) : v == 2 ? plane : _mm256_srli_epi16(plane, 2), top_mask);
-          w[v] = _mm256_or_si256(low, top);
-        }
+        unpack6(c, h, w);
         // the group's 8 scale codes, column c's in int16 lanes 2c and 2c + 1 (panel_kernel_span)
         const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s_block + 16 + gi * kCols));
         const __m256i scale_codes = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(c8, c8));
@@ -841,18 +842,19 @@ void matmul_into(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S
   float* d = d_buf.data();
   float* ds16 = half ? d + 2 * M * nb : nullptr;
   // derived mins (c x the scales) as int32 corrections: every kernel but panel_kernel_g16's (8-bit, group 16)
-  const bool derived = mins.factor != 0.f, corrected = derived && (!half || bits == 6);
+  const bool derived = mins.factor != 0.f;
   TORCH_CHECK(bits != 6 || mins.factor == -32.f, "woq_avx2: 6-bit (Q6_K) layers take mins of -32 x the scales");
+  // x rounded per super-block where the pairs kernel does not take the layer: Q4_K (4-bit, two-level scales
+  // and mins, 8 groups of 32 a super-block) for panel_kernel_span, Q6_K (6-bit, two-level scales, 16 groups
+  // of 16) for panel_kernel_q6_span; they take the code sums per group (bsum) and none of the buffers below
+  const int64_t span = x_span(bits, half, derived, scales);
+  const bool corrected = derived && (!half || bits == 6) && !span;
   const bool sums = bits == 8 && !half && (derived || paired(bits, half));  // 128 x the code sums (a.qs128)
   const int64_t per = half ? 2 * nb : nb;
   if (sums) s_buf.resize(M * nb);
   if (corrected) c_buf.resize(M * per);
   int32_t* qs128 = sums ? s_buf.data() : nullptr;
   int32_t* corr = corrected ? c_buf.data() : nullptr;
-  // x rounded per super-block where the pairs kernel does not take the layer: Q4_K (4-bit, two-level scales
-  // and mins, 8 groups of 32 a super-block) for panel_kernel_span, Q6_K (6-bit, two-level scales, 16 groups
-  // of 16) for panel_kernel_q6_span
-  const int64_t span = x_span(bits, half, derived, scales);
   static thread_local std::vector<int16_t> b_buf;
   if (span) b_buf.resize(M * per);
   int16_t* bsum = span ? b_buf.data() : nullptr;  // a pointer: the lambda below runs on other threads too
